@@ -1,0 +1,128 @@
+"""The one place that chooses the array library: NumPy on the CPU, CuPy on an NVIDIA GPU.
+
+Everything else in tinytrain writes ``from tinytrain.backend import xp`` and calls ``xp.matmul``,
+``xp.exp`` and so on; no other module imports cupy. The choice is made once, at import time, from
+the environment variable ``TINYTRAIN_DEVICE``:
+
+    cpu   NumPy (the default when no GPU is usable)
+    gpu   CuPy; a missing CuPy or an unusable GPU is a clear error, never a CUDA traceback
+    auto  CuPy when ``cupy.cuda.is_available()``, else NumPy          (the default setting)
+
+Under MPI, :func:`select_device_for_rank` gives each rank on a node its own GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy
+
+_CHOICES = ("cpu", "gpu", "auto")
+
+
+class BackendError(RuntimeError):
+    """The requested device cannot be used."""
+
+
+def _load_cupy():
+    """Import CuPy and prove a GPU answers; return the module or raise BackendError with a fix."""
+    try:
+        import cupy  # the only cupy import in tinytrain
+    except Exception as exc:  # ImportError, or a broken CUDA install raising at import
+        raise BackendError(
+            "TINYTRAIN_DEVICE=gpu but CuPy cannot be imported "
+            f"({type(exc).__name__}: {exc}). Install it with `pip install -e \".[gpu]\"` "
+            "or run on the CPU with TINYTRAIN_DEVICE=cpu."
+        ) from exc
+    try:
+        if not cupy.cuda.is_available():
+            raise BackendError("no CUDA device is visible")
+        cupy.zeros(1).sum().item()  # touch the device: fails here, not deep inside a model
+    except BackendError as exc:
+        raise BackendError(
+            f"TINYTRAIN_DEVICE=gpu but {exc}. Check `nvidia-smi` and CUDA_VISIBLE_DEVICES, "
+            "or run on the CPU with TINYTRAIN_DEVICE=cpu."
+        ) from None
+    except Exception as exc:
+        raise BackendError(
+            f"TINYTRAIN_DEVICE=gpu but the GPU is unusable ({type(exc).__name__}: {exc}). "
+            "Check the driver and CUDA_VISIBLE_DEVICES, or use TINYTRAIN_DEVICE=cpu."
+        ) from exc
+    return cupy
+
+
+def _choose():
+    setting = os.environ.get("TINYTRAIN_DEVICE", "auto").strip().lower() or "auto"
+    if setting not in _CHOICES:
+        raise BackendError(
+            f"TINYTRAIN_DEVICE={setting!r} is not one of {', '.join(_CHOICES)}."
+        )
+    if setting == "cpu":
+        return numpy, "cpu"
+    if setting == "gpu":
+        return _load_cupy(), "gpu"
+    try:  # auto: a GPU if one really works, else quietly the CPU
+        return _load_cupy(), "gpu"
+    except BackendError:
+        return numpy, "cpu"
+
+
+xp, device = _choose()
+"""``xp`` is numpy or cupy; ``device`` is "cpu" or "gpu"."""
+
+on_gpu = device == "gpu"
+
+
+def is_array(obj) -> bool:
+    """True for an array of the active library (or a NumPy array, which every backend accepts)."""
+    return isinstance(obj, (numpy.ndarray, xp.ndarray))
+
+
+def asarray(obj, dtype=None):
+    """An array of the active library (copies host data to the GPU when on CuPy)."""
+    return xp.asarray(obj, dtype=dtype)
+
+
+def to_host(arr) -> numpy.ndarray:
+    """A NumPy array with the same values (no copy on the CPU)."""
+    if on_gpu and isinstance(arr, xp.ndarray):
+        return xp.asnumpy(arr)
+    return numpy.asarray(arr)
+
+
+def synchronize() -> None:
+    """Wait until all queued GPU work is done (a no-op on the CPU).
+
+    MPI reads buffers directly, outside any CUDA stream, so a kernel that is still writing a buffer
+    must finish before the buffer is handed to MPI.
+    """
+    if on_gpu:
+        xp.cuda.get_current_stream().synchronize()
+
+
+def index_add(target, index, values) -> None:
+    """``target[index] += values`` with repeated indices summed (``np.add.at``), in place."""
+    if on_gpu:
+        import cupyx  # part of the cupy package
+
+        cupyx.scatter_add(target, index, values)
+    else:
+        numpy.add.at(target, index, values)
+
+
+def select_device_for_rank(local_rank: int) -> int | None:
+    """Bind this process to GPU ``local_rank % device_count``; return its id, or None on the CPU."""
+    if not on_gpu:
+        return None
+    count = xp.cuda.runtime.getDeviceCount()
+    dev = local_rank % count
+    xp.cuda.Device(dev).use()
+    return dev
+
+
+def default_rng(seed):
+    """A seeded random Generator of the active library (``seed`` may be an int or a tuple)."""
+    if on_gpu:
+        # CuPy's Generator takes an int seed; fold a tuple into one deterministically.
+        seed = int(numpy.random.SeedSequence(seed).generate_state(1)[0])
+    return xp.random.default_rng(seed)

@@ -1,0 +1,38 @@
+"""The ``tinytrain`` command: ``train``, ``sample`` and ``bench``.
+
+Each subcommand lives in its own module and is imported only when used, so ``tinytrain --help``
+stays fast and never initialises MPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> module with ``add_arguments(parser)`` and ``run(args)``
+_COMMANDS = {
+    "train": ("tinytrain.train", "train a GPT (serial, or under mpirun with --dp/--tp/--pp)"),
+    "sample": ("tinytrain.sample", "print text generated from a checkpoint"),
+    "bench": ("tinytrain.bench", "benchmarks: `tinytrain bench step`, `tinytrain bench collectives`"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tinytrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
