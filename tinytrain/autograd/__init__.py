@@ -1,0 +1,18 @@
+"""A small reverse-mode autograd engine on NumPy/CuPy arrays (see ``engine`` for how it works)."""
+
+from tinytrain.autograd.engine import (
+    Context,
+    Function,
+    enable_grad,
+    is_grad_enabled,
+    no_grad,
+    peak_saved_bytes,
+    reset_peak_saved_bytes,
+    saved_bytes,
+)
+from tinytrain.autograd.tensor import Parameter, Tensor, ones, tensor, zeros
+
+__all__ = [
+    "Context", "Function", "Parameter", "Tensor", "enable_grad", "is_grad_enabled", "no_grad",
+    "ones", "peak_saved_bytes", "reset_peak_saved_bytes", "saved_bytes", "tensor", "zeros",
+]

@@ -1,0 +1,321 @@
+"""Reverse-mode automatic differentiation: ``Function``, its ``Context`` and the backward engine.
+
+A ``Function`` is one differentiable operation written with plain arrays::
+
+    class Mul(Function):
+        @staticmethod
+        def forward(ctx, a, b):            # arrays in, one array out
+            ctx.save_for_backward(a, b)
+            return a * b
+
+        @staticmethod
+        def backward(ctx, grad):           # d(loss)/d(output) in, one gradient per input out
+            a, b = ctx.saved
+            return grad * b, grad * a
+
+``Mul.apply(x, y)`` unwraps the ``Tensor`` arguments, runs ``forward`` and, when a gradient is
+needed, records a ``Context`` on the output that points back at the inputs: that chain of contexts
+is the graph. ``Tensor.backward()`` walks it from the loss back to the leaves.
+
+The engine counts dependencies: before it starts, it counts how many graph edges lead into each
+leaf. Each time a ``backward`` hands a gradient to a leaf it decrements the count, and when the
+count reaches zero the leaf's gradient is complete: it is added to ``leaf.grad`` and the leaf's
+post-accumulate hooks fire right then, in the middle of the backward pass. Data parallel training
+uses that moment to start all-reducing a gradient while the rest of backward still runs.
+
+Bytes saved for backward are counted while alive (``saved_bytes()``): that is the activation
+memory that pipeline and sequence parallel reduce, measured rather than estimated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from tinytrain.backend import xp
+
+# --------------------------------------------------------------------------------------------
+# Grad mode
+
+
+class _GradMode:
+    enabled = True
+
+
+def is_grad_enabled() -> bool:
+    return _GradMode.enabled
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Run operations without recording the graph (evaluation, optimizer updates)."""
+    previous = _GradMode.enabled
+    _GradMode.enabled = False
+    try:
+        yield
+    finally:
+        _GradMode.enabled = previous
+
+
+@contextlib.contextmanager
+def enable_grad():
+    previous = _GradMode.enabled
+    _GradMode.enabled = True
+    try:
+        yield
+    finally:
+        _GradMode.enabled = previous
+
+
+# --------------------------------------------------------------------------------------------
+# Activation memory: bytes saved for backward that are still alive
+#
+# Two contexts that save the same buffer (or views of it) hold it once, so live bytes are counted
+# per underlying buffer: id(base array) -> [number of saves holding it, nbytes]. Parameters are
+# not activations and are never counted.
+
+_saved_buffers: dict[int, list] = {}
+_saved_total = [0, 0]  # [live bytes, peak bytes]
+
+
+def _base(arr):
+    base = arr
+    while getattr(base, "base", None) is not None and hasattr(base.base, "nbytes"):
+        base = base.base
+    return base
+
+
+def _hold(arr) -> int:
+    base = _base(arr)
+    key = id(base)
+    entry = _saved_buffers.get(key)
+    if entry is None:
+        _saved_buffers[key] = [1, base.nbytes, base]
+        _saved_total[0] += base.nbytes
+        if _saved_total[0] > _saved_total[1]:
+            _saved_total[1] = _saved_total[0]
+    else:
+        entry[0] += 1
+    return key
+
+
+def _release(key: int) -> None:
+    entry = _saved_buffers[key]
+    entry[0] -= 1
+    if entry[0] == 0:
+        _saved_total[0] -= entry[1]
+        del _saved_buffers[key]
+
+
+def saved_bytes() -> int:
+    """Bytes of arrays currently saved for backward by live graphs (each buffer counted once)."""
+    return _saved_total[0]
+
+
+def peak_saved_bytes() -> int:
+    """The largest ``saved_bytes()`` seen since the last ``reset_peak_saved_bytes()``."""
+    return _saved_total[1]
+
+
+def reset_peak_saved_bytes() -> None:
+    _saved_total[1] = _saved_total[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Function and Context
+
+
+class Context:
+    """What one call of a Function remembers for its backward: inputs, saved arrays, options."""
+
+    __slots__ = ("fn", "inputs", "needs_input_grad", "saved", "_saved_keys", "__dict__")
+
+    def __init__(self, fn, inputs, needs_input_grad):
+        self.fn = fn
+        self.inputs = inputs  # the Tensor arguments (None where an argument was not a Tensor)
+        self.needs_input_grad = needs_input_grad
+        self.saved = ()
+        self._saved_keys = ()
+
+    def save_for_backward(self, *arrays) -> None:
+        """Keep arrays for backward; counted in ``saved_bytes()`` unless they are parameters."""
+        self.saved = arrays
+        param_data = {id(t.data) for t in self.inputs if t is not None and t._is_param}
+        self._saved_keys = tuple(
+            _hold(a) for a in arrays if a is not None and hasattr(a, "nbytes") and id(a) not in param_data
+        )
+
+    def release(self) -> None:
+        """Drop saved arrays once backward has used them (frees activation memory)."""
+        for key in self._saved_keys:
+            _release(key)
+        self._saved_keys = ()
+        self.saved = None
+
+    def __del__(self):
+        # A graph that is dropped without a backward (evaluation with grad on, an exception)
+        # must not leave its bytes counted forever.
+        try:
+            if self._saved_keys:
+                self.release()
+        except Exception:
+            pass
+
+
+_tensor_class = [None]  # set by tinytrain.autograd.tensor (which imports this module)
+
+
+class Function:
+    """Base class of differentiable operations; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, *args, **kwargs):
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        Tensor = _tensor_class[0]
+        arrays = []
+        inputs = []
+        needs = []
+        any_needs = False
+        for a in args:
+            if isinstance(a, Tensor):
+                arrays.append(a.data)
+                inputs.append(a)
+                needs.append(a.requires_grad)
+                any_needs = any_needs or a.requires_grad
+            else:
+                arrays.append(a)
+                inputs.append(None)
+                needs.append(False)
+        record = any_needs and _GradMode.enabled
+        ctx = Context(cls, tuple(inputs), tuple(needs))
+        out = cls.forward(ctx, *arrays, **kwargs)
+        if not record:
+            ctx.release()
+            return Tensor(out)
+        result = Tensor(out, requires_grad=True)
+        result._ctx = ctx
+        return result
+
+
+# --------------------------------------------------------------------------------------------
+# The backward engine
+
+
+def _topological_order(root):
+    """Non-leaf tensors in an order where every tensor comes before the tensors it was made from,
+    and the number of graph edges leading into each leaf (keyed by id)."""
+    order = []
+    leaf_edges: dict[int, int] = {}
+    visited = {id(root)}
+    stack = [(root, False)]
+    while stack:
+        t, expanded = stack.pop()
+        if expanded:
+            order.append(t)
+            continue
+        stack.append((t, True))
+        for inp in t._ctx.inputs:
+            if inp is None or not inp.requires_grad:
+                continue
+            if inp._ctx is None:
+                leaf_edges[id(inp)] = leaf_edges.get(id(inp), 0) + 1
+            elif id(inp) not in visited:
+                visited.add(id(inp))
+                stack.append((inp, False))
+    order.reverse()
+    return order, leaf_edges
+
+
+def _accumulate(grads: dict, t, g) -> None:
+    key = id(t)
+    if key in grads:
+        grads[key] = grads[key] + g
+    else:
+        grads[key] = g
+
+
+def _finish_leaf(leaf, g) -> None:
+    """The leaf's gradient for this backward is complete: hooks, accumulate into .grad, notify.
+
+    Post-accumulate hooks fire even when no gradient reached the leaf (``g is None``), so code
+    that waits for "every parameter is ready" is not left waiting for an unused one."""
+    if g is not None:
+        for hook in leaf._hooks:
+            new = hook(g)
+            if new is not None:
+                g = new
+    if g is not None:
+        if g.dtype != leaf.data.dtype:
+            g = g.astype(leaf.data.dtype)
+        if leaf.grad is None:
+            # Own the array: backward functions may hand the same array to several inputs.
+            leaf.grad = g.copy()
+        else:
+            leaf.grad += g
+    for hook in leaf._post_accumulate_hooks:
+        hook(leaf)
+
+
+def backward(root, grad=None, retain_graph: bool = False) -> None:
+    """Compute d(root)/d(leaf) for every leaf that requires grad; add it to ``leaf.grad``."""
+    if not root.requires_grad:
+        raise RuntimeError(
+            "backward() on a tensor that does not require grad: no parameter it depends on has "
+            "requires_grad=True (or it was computed under no_grad())."
+        )
+    if grad is None:
+        if root.data.size != 1:
+            raise RuntimeError(
+                f"backward() without a gradient needs a scalar output, got shape {root.shape}; "
+                "pass grad= with the output's shape, or reduce the output first (e.g. .sum())."
+            )
+        grad = xp.ones_like(root.data)
+    else:
+        grad = grad.data if hasattr(grad, "_ctx") else xp.asarray(grad, dtype=root.data.dtype)
+        if grad.shape != root.shape:
+            raise ValueError(f"grad has shape {grad.shape}, but the output has shape {root.shape}")
+
+    if root._ctx is None:  # backward on a leaf: its gradient is the given one
+        _finish_leaf(root, grad)
+        return
+
+    order, leaf_edges = _topological_order(root)
+    grads = {id(root): grad}
+    with no_grad():
+        for t in order:
+            ctx = t._ctx
+            g = grads.pop(id(t), None)
+            if g is not None:
+                for hook in t._hooks:
+                    new = hook(g)
+                    if new is not None:
+                        g = new
+            if ctx.saved is None:
+                raise RuntimeError(
+                    f"backward through {ctx.fn.__name__} a second time: its saved arrays were "
+                    "freed by the first backward. Pass retain_graph=True to the first call."
+                )
+            if g is None:
+                in_grads = (None,) * len(ctx.inputs)
+            else:
+                in_grads = ctx.fn.backward(ctx, g)
+                if not isinstance(in_grads, tuple):
+                    in_grads = (in_grads,)
+            if not retain_graph:
+                ctx.release()
+            for inp, ig in zip(ctx.inputs, in_grads):
+                if inp is None or not inp.requires_grad:
+                    continue
+                if ig is not None:
+                    _accumulate(grads, inp, ig)
+                if inp._ctx is None:
+                    key = id(inp)
+                    leaf_edges[key] -= 1
+                    if leaf_edges[key] == 0:
+                        _finish_leaf(inp, grads.pop(key, None))

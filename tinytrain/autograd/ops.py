@@ -1,0 +1,682 @@
+"""Every differentiable operation, as a ``Function`` with a hand-written backward.
+
+Forward and backward take and return plain ``xp`` arrays; ``Tensor`` methods and
+``tinytrain.functional`` are thin wrappers that call ``SomeOp.apply``. Each backward returns one
+gradient per positional argument of forward (``None`` for arguments that are not differentiable).
+
+Some operations are *fused* (layer_norm, gelu, cross_entropy, scaled_dot_product_attention,
+linear): one Function instead of a chain of small ones, because each Function costs Python
+overhead and a temporary array, and because the fused backward is short enough to read.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tinytrain.autograd.engine import Function
+from tinytrain.backend import index_add, xp
+
+
+def unbroadcast(grad, shape):
+    """Sum ``grad`` over the axes that broadcasting added or stretched, to get back ``shape``."""
+    if grad.shape == tuple(shape):
+        return grad
+    extra = grad.ndim - len(shape)
+    if extra > 0:
+        grad = grad.sum(axis=tuple(range(extra)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    if stretched:
+        grad = grad.sum(axis=stretched, keepdims=True)
+    return grad
+
+
+def _shape(a):
+    return getattr(a, "shape", ())
+
+
+def _normalize_axis(axis, ndim):
+    if axis is None:
+        return tuple(range(ndim))
+    if isinstance(axis, int):
+        axis = (axis,)
+    return tuple(a % ndim for a in axis) if ndim else ()
+
+
+def _expand_reduced(grad, shape, axis, keepdims):
+    """Give a reduced gradient back its reduced axes (size 1) so it broadcasts against the input."""
+    if not keepdims:
+        for a in sorted(_normalize_axis(axis, len(shape))):
+            grad = xp.expand_dims(grad, a)
+    return grad
+
+
+# --------------------------------------------------------------------------------------------
+# Elementwise arithmetic (broadcasting)
+
+
+class Add(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.shapes = (_shape(a), _shape(b))
+        return a + b
+
+    @staticmethod
+    def backward(ctx, grad):
+        sa, sb = ctx.shapes
+        return unbroadcast(grad, sa), unbroadcast(grad, sb)
+
+
+class Sub(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.shapes = (_shape(a), _shape(b))
+        return a - b
+
+    @staticmethod
+    def backward(ctx, grad):
+        sa, sb = ctx.shapes
+        return unbroadcast(grad, sa), unbroadcast(-grad, sb)
+
+
+class Mul(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None)
+        ctx.shapes = (_shape(a), _shape(b))
+        return a * b
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved
+        sa, sb = ctx.shapes
+        ga = unbroadcast(grad * b, sa) if ctx.needs_input_grad[0] else None
+        gb = unbroadcast(grad * a, sb) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+class Div(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        ctx.shapes = (_shape(a), _shape(b))
+        return a / b
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved
+        sa, sb = ctx.shapes
+        ga = unbroadcast(grad / b, sa) if ctx.needs_input_grad[0] else None
+        gb = unbroadcast(-grad * a / (b * b), sb) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+class Neg(Function):
+    @staticmethod
+    def forward(ctx, a):
+        return -a
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (-grad,)
+
+
+class Pow(Function):
+    """``a ** b`` for a tensor or a constant exponent (a tensor exponent needs a > 0)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        out = a**b
+        ctx.save_for_backward(a, b, out)
+        ctx.shapes = (_shape(a), _shape(b))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, out = ctx.saved
+        sa, sb = ctx.shapes
+        ga = unbroadcast(grad * b * a ** (b - 1), sa) if ctx.needs_input_grad[0] else None
+        gb = unbroadcast(grad * out * xp.log(a), sb) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+class MatMul(Function):
+    """Batched matrix product with broadcast batch axes (both operands at least 2-D)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        if a.ndim < 2 or b.ndim < 2:
+            raise ValueError(
+                f"matmul needs operands with at least 2 axes, got shapes {a.shape} and {b.shape}; "
+                "reshape a vector to (1, n) or (n, 1) first."
+            )
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved
+        ga = gb = None
+        if ctx.needs_input_grad[0]:
+            ga = unbroadcast(grad @ xp.swapaxes(b, -1, -2), a.shape)
+        if ctx.needs_input_grad[1]:
+            if b.ndim == 2:
+                # (..., n, k) @ (k, m): fold the batch into one GEMM instead of a batch of them
+                # followed by a sum over the batch.
+                gb = a.reshape(-1, a.shape[-1]).T @ grad.reshape(-1, grad.shape[-1])
+            else:
+                gb = unbroadcast(xp.swapaxes(a, -1, -2) @ grad, b.shape)
+        return ga, gb
+
+
+class Linear(Function):
+    """``x @ weight + bias`` with weight of shape (in, out): one GEMM each way, any batch axes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias=None):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        out = x @ weight
+        if bias is not None:
+            out += bias
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved
+        gx = grad @ weight.T if ctx.needs_input_grad[0] else None
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gw = x.reshape(-1, x.shape[-1]).T @ g2 if ctx.needs_input_grad[1] else None
+        gb = g2.sum(axis=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+# --------------------------------------------------------------------------------------------
+# Reductions
+
+
+class Sum(Function):
+    @staticmethod
+    def forward(ctx, a, axis=None, keepdims=False):
+        ctx.args = (a.shape, axis, keepdims)
+        return xp.sum(a, axis=axis, keepdims=keepdims)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, axis, keepdims = ctx.args
+        return (xp.broadcast_to(_expand_reduced(grad, shape, axis, keepdims), shape),)
+
+
+class Mean(Function):
+    @staticmethod
+    def forward(ctx, a, axis=None, keepdims=False):
+        ctx.args = (a.shape, axis, keepdims)
+        ctx.count = math.prod(a.shape[i] for i in _normalize_axis(axis, a.ndim))
+        return xp.mean(a, axis=axis, keepdims=keepdims)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, axis, keepdims = ctx.args
+        g = _expand_reduced(grad, shape, axis, keepdims) / ctx.count
+        return (xp.broadcast_to(g, shape),)
+
+
+class Max(Function):
+    """Maximum over axes; where several entries tie for the maximum, they share the gradient."""
+
+    @staticmethod
+    def forward(ctx, a, axis=None, keepdims=False):
+        out = xp.max(a, axis=axis, keepdims=True)
+        ctx.save_for_backward(a == out)
+        ctx.args = (a.shape, axis, keepdims)
+        return out if keepdims else xp.squeeze(out, axis=_normalize_axis(axis, a.ndim))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (is_max,) = ctx.saved
+        shape, axis, keepdims = ctx.args
+        share = is_max / is_max.sum(axis=axis, keepdims=True)
+        return (_expand_reduced(grad, shape, axis, keepdims) * share,)
+
+
+class Var(Function):
+    """Variance over axes: mean of squared deviations divided by (count - correction)."""
+
+    @staticmethod
+    def forward(ctx, a, axis=None, keepdims=False, correction=0):
+        count = math.prod(a.shape[i] for i in _normalize_axis(axis, a.ndim))
+        if count - correction <= 0:
+            raise ValueError(f"var over {count} element(s) with correction={correction} is undefined")
+        centered = a - xp.mean(a, axis=axis, keepdims=True)
+        ctx.save_for_backward(centered)
+        ctx.args = (a.shape, axis, keepdims, count - correction)
+        return xp.sum(centered * centered, axis=axis, keepdims=keepdims) / (count - correction)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (centered,) = ctx.saved
+        shape, axis, keepdims, denom = ctx.args
+        return (_expand_reduced(grad, shape, axis, keepdims) * (2.0 / denom) * centered,)
+
+
+# --------------------------------------------------------------------------------------------
+# Elementwise functions
+
+
+class Exp(Function):
+    @staticmethod
+    def forward(ctx, a):
+        out = xp.exp(a)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad * ctx.saved[0],)
+
+
+class Log(Function):
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_backward(a)
+        return xp.log(a)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad / ctx.saved[0],)
+
+
+class Sqrt(Function):
+    @staticmethod
+    def forward(ctx, a):
+        out = xp.sqrt(a)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad / (2 * ctx.saved[0]),)
+
+
+class Tanh(Function):
+    @staticmethod
+    def forward(ctx, a):
+        out = xp.tanh(a)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = ctx.saved[0]
+        return (grad * (1 - out * out),)
+
+
+class ReLU(Function):
+    @staticmethod
+    def forward(ctx, a):
+        positive = a > 0
+        ctx.save_for_backward(positive)
+        return a * positive
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad * ctx.saved[0],)
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+class GELU(Function):
+    """GELU, tanh approximation (GPT-2's): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))."""
+
+    @staticmethod
+    def forward(ctx, x):
+        c = x.dtype.type(_GELU_C)
+        inner = x * x
+        inner *= x.dtype.type(0.044715)
+        inner += 1
+        inner *= x
+        inner *= c
+        t = xp.tanh(inner, out=inner)
+        ctx.save_for_backward(x, t)
+        out = t + 1
+        out *= x
+        out *= x.dtype.type(0.5)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, t = ctx.saved
+        dt = x.dtype.type
+        # d/dx = 0.5(1+t) + 0.5·x·(1-t²)·c·(1 + 3·0.044715·x²)
+        d_inner = x * x
+        d_inner *= dt(3 * 0.044715 * _GELU_C)
+        d_inner += dt(_GELU_C)
+        sech2 = 1 - t * t
+        d_inner *= sech2
+        d_inner *= x
+        d_inner += 1
+        d_inner += t
+        d_inner *= dt(0.5)
+        d_inner *= grad
+        return (d_inner,)
+
+
+class Softmax(Function):
+    @staticmethod
+    def forward(ctx, x, axis=-1):
+        out = _softmax_inplace(x.copy(), axis)
+        ctx.save_for_backward(out)
+        ctx.axis = axis
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved
+        gy = grad * y
+        return (gy - y * xp.sum(gy, axis=ctx.axis, keepdims=True),)
+
+
+class LogSoftmax(Function):
+    @staticmethod
+    def forward(ctx, x, axis=-1):
+        shifted = x - xp.max(x, axis=axis, keepdims=True)
+        out = shifted - xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True))
+        ctx.save_for_backward(out)
+        ctx.axis = axis
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved
+        return (grad - xp.exp(out) * xp.sum(grad, axis=ctx.axis, keepdims=True),)
+
+
+class CrossEntropy(Function):
+    """Mean (or summed) negative log-likelihood of integer targets under softmax(logits).
+
+    logits (..., C), targets (...) integers; entries equal to ``ignore_index`` count neither in
+    the loss nor in the mean's denominator. Computed from the log-sum-exp, so it never overflows.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index=-100, reduction="mean"):
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if targets.shape != logits.shape[:-1]:
+            raise ValueError(
+                f"cross_entropy: targets have shape {targets.shape} but logits {logits.shape}; "
+                "targets need the logits' shape without the last (class) axis."
+            )
+        n_classes = logits.shape[-1]
+        flat = logits.reshape(-1, n_classes)
+        tgt = targets.reshape(-1)
+        valid = tgt != ignore_index
+        safe_tgt = xp.where(valid, tgt, 0)
+        if bool(((safe_tgt < 0) | (safe_tgt >= n_classes)).any()):
+            raise ValueError(f"cross_entropy: a target is outside [0, {n_classes}) and not ignore_index")
+        shifted = flat - xp.max(flat, axis=-1, keepdims=True)
+        probs = xp.exp(shifted)
+        total = xp.sum(probs, axis=-1, keepdims=True)
+        probs /= total  # kept for backward: d(loss)/d(logits) = probs - onehot(target)
+        rows = xp.arange(flat.shape[0])
+        # -log p[target] = log-sum-exp - logit[target], exact even where p[target] underflows
+        nll = (xp.log(total[:, 0]) - shifted[rows, safe_tgt]) * valid
+        denom = valid.sum() if reduction == "mean" else 1
+        ctx.save_for_backward(probs, safe_tgt, valid)
+        ctx.denom = denom
+        ctx.logits_shape = logits.shape
+        return xp.asarray(nll.sum() / denom, dtype=logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, tgt, valid = ctx.saved
+        g = probs.copy()
+        g[xp.arange(g.shape[0]), tgt] -= 1
+        g *= (valid * (grad / ctx.denom))[:, None].astype(g.dtype)
+        return g.reshape(ctx.logits_shape), None
+
+
+# --------------------------------------------------------------------------------------------
+# Shape and indexing
+
+
+class Reshape(Function):
+    @staticmethod
+    def forward(ctx, a, shape):
+        ctx.in_shape = a.shape
+        return a.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad.reshape(ctx.in_shape),)
+
+
+class Permute(Function):
+    """Reorder axes (``transpose`` swaps two of them, ``permute`` gives a full order)."""
+
+    @staticmethod
+    def forward(ctx, a, axes):
+        ctx.axes = tuple(ax % a.ndim for ax in axes)
+        return xp.transpose(a, ctx.axes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse = [0] * len(ctx.axes)
+        for i, ax in enumerate(ctx.axes):
+            inverse[ax] = i
+        return (xp.transpose(grad, inverse),)
+
+
+def _is_advanced(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(not (isinstance(i, (slice, int)) or i is None or i is Ellipsis) for i in items)
+
+
+class GetItem(Function):
+    """``a[index]`` with slices, integers and integer/boolean arrays.
+
+    Backward scatters the gradient back into zeros of the input's shape; with integer arrays an
+    entry can be picked twice, so the scatter adds (``index_add``) instead of assigning.
+    """
+
+    @staticmethod
+    def forward(ctx, a, index):
+        ctx.args = (a.shape, a.dtype, index)
+        return a[index]
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, index = ctx.args
+        out = xp.zeros(shape, dtype=dtype)
+        if _is_advanced(index):
+            index_add(out, index, grad)
+        else:
+            out[index] = grad
+        return (out,)
+
+
+class Concatenate(Function):
+    @staticmethod
+    def forward(ctx, *arrays, axis=0):
+        ctx.axis = axis
+        ctx.bounds = _split_bounds([a.shape[axis] for a in arrays])
+        return xp.concatenate(arrays, axis=axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(
+            grad[(slice(None),) * (ctx.axis % grad.ndim) + (slice(lo, hi),)] for lo, hi in ctx.bounds
+        )
+
+
+def _split_bounds(sizes):
+    bounds, start = [], 0
+    for n in sizes:
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+class Stack(Function):
+    @staticmethod
+    def forward(ctx, *arrays, axis=0):
+        ctx.axis = axis
+        return xp.stack(arrays, axis=axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(xp.moveaxis(grad, ctx.axis, 0))
+
+
+class Where(Function):
+    """``condition ? a : b`` elementwise, with broadcasting; the condition is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, condition, a, b):
+        ctx.save_for_backward(condition)
+        ctx.shapes = (_shape(a), _shape(b))
+        return xp.where(condition, a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (condition,) = ctx.saved
+        sa, sb = ctx.shapes
+        ga = unbroadcast(xp.where(condition, grad, 0), sa) if ctx.needs_input_grad[1] else None
+        gb = unbroadcast(xp.where(condition, 0, grad), sb) if ctx.needs_input_grad[2] else None
+        return None, ga, gb
+
+
+class Cast(Function):
+    @staticmethod
+    def forward(ctx, a, dtype):
+        ctx.dtype = a.dtype
+        return a.astype(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad.astype(ctx.dtype),)
+
+
+# --------------------------------------------------------------------------------------------
+# Layers as fused functions
+
+
+class Embedding(Function):
+    """Rows of ``weight`` picked by integer ``ids``; backward adds each row's gradients back."""
+
+    @staticmethod
+    def forward(ctx, weight, ids):
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"embedding ids must be integers, got {ids.dtype}")
+        ctx.save_for_backward(ids)
+        ctx.weight_meta = (weight.shape, weight.dtype)
+        return weight[ids]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved
+        shape, dtype = ctx.weight_meta
+        gw = xp.zeros(shape, dtype=dtype)
+        index_add(gw, ids.reshape(-1), grad.reshape(-1, shape[-1]))
+        return gw, None
+
+
+class LayerNorm(Function):
+    """Normalize over the last axis, then scale and shift: (x - mean)/sqrt(var + eps)·w + b."""
+
+    @staticmethod
+    def forward(ctx, x, weight=None, bias=None, eps=1e-5):
+        mean = xp.mean(x, axis=-1, keepdims=True)
+        xhat = x - mean
+        var = xp.mean(xhat * xhat, axis=-1, keepdims=True)
+        rstd = 1.0 / xp.sqrt(var + eps)
+        xhat *= rstd
+        ctx.save_for_backward(xhat, rstd, weight)
+        out = xhat * weight if weight is not None else xhat.copy()
+        if bias is not None:
+            out += bias
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        xhat, rstd, weight = ctx.saved
+        lead = tuple(range(grad.ndim - 1))
+        gw = (grad * xhat).sum(axis=lead) if weight is not None and ctx.needs_input_grad[1] else None
+        gb = grad.sum(axis=lead) if len(ctx.needs_input_grad) > 2 and ctx.needs_input_grad[2] else None
+        gxhat = grad * weight if weight is not None else grad
+        # dx = rstd · (gxhat - mean(gxhat) - xhat · mean(gxhat · xhat))
+        gx = gxhat - xp.mean(gxhat, axis=-1, keepdims=True)
+        gx -= xhat * xp.mean(gxhat * xhat, axis=-1, keepdims=True)
+        gx *= rstd
+        return gx, gw, gb
+
+
+class Dropout(Function):
+    """Zero each entry with probability p and scale the rest by 1/(1-p); the mask comes from
+    the given random generator, so a run is reproducible from its seed."""
+
+    @staticmethod
+    def forward(ctx, x, p, generator):
+        keep = generator.random(x.shape, dtype=xp.float32) >= p
+        ctx.save_for_backward(keep)
+        ctx.scale = x.dtype.type(1.0 / (1.0 - p))
+        return x * keep * ctx.scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved
+        return grad * keep * ctx.scale, None, None
+
+
+class ScaledDotProductAttention(Function):
+    """softmax(q·kᵀ·scale [+ causal mask])·v over the last two axes of (..., T, D) inputs.
+
+    Backward, with p the attention probabilities and g the output gradient:
+        dv = pᵀ·g,  dp = g·vᵀ,  ds = p ⊙ (dp − rowsum(dp ⊙ p)),  dq = ds·k·scale,  dk = dsᵀ·q·scale
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=True, scale=None):
+        T, S = q.shape[-2], k.shape[-2]
+        if causal and T != S:
+            raise ValueError(f"causal attention needs as many queries as keys, got {T} and {S}")
+        scale = q.dtype.type(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+        scores = q @ xp.swapaxes(k, -1, -2)
+        scores *= scale
+        if causal:
+            scores += _causal_bias(T, scores.dtype)
+        probs = _softmax_inplace(scores)
+        ctx.save_for_backward(q, k, v, probs)
+        ctx.scale = scale
+        return probs @ v
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, p = ctx.saved
+        dv = xp.swapaxes(p, -1, -2) @ grad
+        ds = grad @ xp.swapaxes(v, -1, -2)
+        ds -= xp.sum(ds * p, axis=-1, keepdims=True)
+        ds *= p
+        ds *= ctx.scale
+        dq = ds @ k
+        dk = xp.swapaxes(ds, -1, -2) @ q
+        return unbroadcast(dq, q.shape), unbroadcast(dk, k.shape), unbroadcast(dv, v.shape)
+
+
+_bias_cache: dict = {}
+
+
+def _causal_bias(T, dtype):
+    """(T, T) matrix with 0 on and below the diagonal and -inf above (a query sees no future)."""
+    key = (T, str(dtype))
+    if key not in _bias_cache:
+        _bias_cache[key] = xp.triu(xp.full((T, T), -xp.inf, dtype=dtype), k=1)
+    return _bias_cache[key]
+
+
+def _softmax_inplace(scores, axis=-1):
+    """softmax along ``axis``, overwriting ``scores`` (shifted by the max, so exp never overflows)."""
+    scores -= xp.max(scores, axis=axis, keepdims=True)
+    xp.exp(scores, out=scores)
+    scores /= xp.sum(scores, axis=axis, keepdims=True)
+    return scores

@@ -1,0 +1,141 @@
+"""Datasets: a built-in addition task (generated in code, no download) and character-level text.
+
+Batches are a pure function of ``(seed, step)``: ``dataset.batch(split, batch_size, seed, step)``
+draws the *global* batch, and a data-parallel rank takes its rows with ``shard_rows``. So N ranks
+with batch B each see exactly what one process with batch N·B sees, and a resumed run continues
+with exactly the batches it would have drawn.
+
+The addition task: ``"347+085=2340"`` is 347 + 85 = 432 with the answer written *reversed*
+(least significant digit first, as a person adds), a classic small-transformer task with an
+exact-match accuracy. The loss is taken on the answer digits only (the prompt's targets are set
+to ``IGNORE``), so the loss and the accuracy measure the same thing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy
+
+IGNORE = -100  # target value that cross_entropy leaves out
+
+
+def shard_rows(batch, rank: int, world: int):
+    """Rows ``[rank·B/N, (rank+1)·B/N)`` of a global batch (its first axis must divide by N)."""
+    n = batch.shape[0]
+    if n % world:
+        raise ValueError(f"global batch of {n} rows does not split over {world} ranks; choose a multiple of {world}")
+    per = n // world
+    return batch[rank * per:(rank + 1) * per]
+
+
+class AdditionDataset:
+    """Sums of two ``digits``-digit numbers; 10% of all problems are held out for validation."""
+
+    name = "addition"
+
+    def __init__(self, digits: int = 3):
+        if not 1 <= digits <= 6:
+            raise ValueError(f"digits must be between 1 and 6, got {digits}")
+        self.digits = digits
+        self.chars = "0123456789+="
+        self.vocab_size = len(self.chars)
+        self.prompt_len = 2 * digits + 2  # "aaa+bbb="
+        self.seq_len = self.prompt_len + digits + 1  # answer has digits+1 digits
+        self.block_size = self.seq_len - 1
+
+    def encode(self, text: str):
+        return numpy.array([self.chars.index(c) for c in text], dtype=numpy.int64)
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+    def _is_val(self, a, b):
+        # A fixed hash of the problem decides its split, so train and validation never overlap.
+        h = (a * 1_000_003 + b * 7919 + 12345) * 2654435761 % (2**32)
+        return (h % 10) == 0
+
+    def problems(self, split: str, count: int, rng):
+        """``count`` (a, b) pairs from ``split``, drawn with ``rng``."""
+        top = 10**self.digits
+        out_a, out_b, have = [], [], 0
+        while have < count:
+            a = rng.integers(0, top, size=2 * count)
+            b = rng.integers(0, top, size=2 * count)
+            keep = self._is_val(a, b) == (split == "val")
+            out_a.append(a[keep])
+            out_b.append(b[keep])
+            have += int(keep.sum())
+        return numpy.concatenate(out_a)[:count], numpy.concatenate(out_b)[:count]
+
+    def render(self, a, b):
+        """Token ids (count, seq_len) of the problems ``a + b`` with reversed answers."""
+        d = self.digits
+        rows = []
+        for x, y in zip(a, b):
+            answer = str(int(x) + int(y)).zfill(d + 1)[::-1]
+            rows.append(self.encode(f"{int(x):0{d}d}+{int(y):0{d}d}={answer}"))
+        return numpy.stack(rows)
+
+    def batch(self, split: str, batch_size: int, seed: int, step: int):
+        """Inputs and targets (batch_size, block_size); prompt targets are IGNORE."""
+        rng = numpy.random.default_rng([seed, step, 0 if split == "train" else 1])
+        seqs = self.render(*self.problems(split, batch_size, rng))
+        x, y = seqs[:, :-1], seqs[:, 1:].copy()
+        y[:, : self.prompt_len - 1] = IGNORE
+        return x, y
+
+    def accuracy(self, generate, split="val", count=200, seed=0) -> float:
+        """Share of ``count`` problems whose whole answer ``generate(prompts, n)`` gets right."""
+        rng = numpy.random.default_rng([seed, 2**31 - 1])
+        seqs = self.render(*self.problems(split, count, rng))
+        prompts, answers = seqs[:, : self.prompt_len], seqs[:, self.prompt_len:]
+        produced = generate(prompts, answers.shape[1])
+        return float((produced == answers).all(axis=1).mean())
+
+
+class CharDataset:
+    """Character-level text from a file: 90% for training, the last 10% for validation."""
+
+    name = "text"
+
+    def __init__(self, path: str, block_size: int = 64):
+        text = Path(path).read_text(encoding="utf-8")
+        if len(text) < 10 * (block_size + 1):
+            raise ValueError(
+                f"{path} has {len(text)} characters; with block size {block_size} it needs at "
+                f"least {10 * (block_size + 1)} (give a longer file or a smaller --block-size)"
+            )
+        self.chars = "".join(sorted(set(text)))
+        self.vocab_size = len(self.chars)
+        self.block_size = block_size
+        self._index = {c: i for i, c in enumerate(self.chars)}
+        ids = self.encode(text)
+        cut = int(0.9 * len(ids))
+        self.splits = {"train": ids[:cut], "val": ids[cut:]}
+
+    def encode(self, text: str):
+        try:
+            return numpy.array([self._index[c] for c in text], dtype=numpy.int64)
+        except KeyError as exc:
+            raise ValueError(f"character {exc.args[0]!r} is not in this dataset's vocabulary") from None
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+    def batch(self, split: str, batch_size: int, seed: int, step: int):
+        data = self.splits[split]
+        rng = numpy.random.default_rng([seed, step, 0 if split == "train" else 1])
+        starts = rng.integers(0, len(data) - self.block_size - 1, size=batch_size)
+        x = numpy.stack([data[s:s + self.block_size] for s in starts])
+        y = numpy.stack([data[s + 1:s + self.block_size + 1] for s in starts])
+        return x, y
+
+
+def load_dataset(data: str | None, block_size: int | None = None):
+    """``None`` or "addition" -> the addition task; a path -> characters of that file."""
+    if data in (None, "addition"):
+        return AdditionDataset()
+    if not Path(data).is_file():
+        raise ValueError(f"--data {data!r} is neither 'addition' nor a readable text file")
+    return CharDataset(data, block_size or 64)

@@ -1,0 +1,134 @@
+"""Differentiable functions on Tensors, named like ``torch.nn.functional``.
+
+Each is one line over a Function in ``tinytrain.autograd.ops``; read that file for the maths.
+"""
+
+from __future__ import annotations
+
+from tinytrain import random as _random
+from tinytrain.autograd import ops
+from tinytrain.autograd.tensor import Tensor
+from tinytrain.backend import xp
+
+
+def relu(x):
+    return ops.ReLU.apply(x)
+
+
+def gelu(x):
+    """GELU with the tanh approximation (as in GPT-2)."""
+    return ops.GELU.apply(x)
+
+
+def tanh(x):
+    return ops.Tanh.apply(x)
+
+
+def exp(x):
+    return ops.Exp.apply(x)
+
+
+def log(x):
+    return ops.Log.apply(x)
+
+
+def sqrt(x):
+    return ops.Sqrt.apply(x)
+
+
+def softmax(x, axis=-1):
+    return ops.Softmax.apply(x, axis=axis)
+
+
+def log_softmax(x, axis=-1):
+    return ops.LogSoftmax.apply(x, axis=axis)
+
+
+def cross_entropy(logits, targets, ignore_index=-100, reduction="mean"):
+    """Softmax cross-entropy of integer targets; ``ignore_index`` entries are left out."""
+    targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
+    return ops.CrossEntropy.apply(logits, targets, ignore_index=ignore_index, reduction=reduction)
+
+
+def linear(x, weight, bias=None):
+    """``x @ weight + bias`` with ``weight`` of shape (in_features, out_features)."""
+    return ops.Linear.apply(x, weight, bias)
+
+
+def matmul(a, b):
+    return ops.MatMul.apply(a, b)
+
+
+def embedding(ids, weight):
+    """Rows of ``weight`` (num_embeddings, dim) picked by the integer array ``ids``."""
+    ids = ids.data if isinstance(ids, Tensor) else xp.asarray(ids)
+    return ops.Embedding.apply(weight, ids)
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5):
+    """Normalize over the last axis, then scale by ``weight`` and shift by ``bias``."""
+    return ops.LayerNorm.apply(x, weight, bias, eps=eps)
+
+
+def dropout(x, p=0.5, training=True, generator=None):
+    """Zero entries with probability ``p`` (scaling the rest by 1/(1-p)) when ``training``.
+
+    The mask is drawn from ``generator`` (default: ``tinytrain.random``'s global generator), so a
+    run with the same seed draws the same masks.
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return x
+    return ops.Dropout.apply(x, p, generator or _random.default_generator())
+
+
+def scaled_dot_product_attention(q, k, v, causal=True, scale=None):
+    """softmax(q·kᵀ/√d [+ causal mask])·v over the last two axes, shapes (..., T, d)."""
+    return ops.ScaledDotProductAttention.apply(q, k, v, causal=causal, scale=scale)
+
+
+def concatenate(tensors, axis=0):
+    return ops.Concatenate.apply(*tensors, axis=axis)
+
+
+def stack(tensors, axis=0):
+    return ops.Stack.apply(*tensors, axis=axis)
+
+
+def split(x, size_or_sizes, axis=0):
+    """Pieces along ``axis``: equal pieces of ``size`` (the last may be shorter) or given sizes."""
+    n = x.shape[axis]
+    if isinstance(size_or_sizes, int):
+        if size_or_sizes <= 0:
+            raise ValueError(f"split size must be positive, got {size_or_sizes}")
+        sizes = [min(size_or_sizes, n - start) for start in range(0, n, size_or_sizes)]
+    else:
+        sizes = list(size_or_sizes)
+        if sum(sizes) != n:
+            raise ValueError(f"split sizes {sizes} add up to {sum(sizes)}, but axis {axis} has {n}")
+    lead = (slice(None),) * (axis % x.ndim)
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(x[lead + (slice(start, start + size),)])
+        start += size
+    return pieces
+
+
+def chunk(x, chunks, axis=0):
+    """``chunks`` pieces along ``axis`` of size ceil(n/chunks) (the last ones may be smaller)."""
+    if chunks <= 0:
+        raise ValueError(f"chunks must be positive, got {chunks}")
+    n = x.shape[axis]
+    return split(x, max(1, -(-n // chunks)), axis=axis)
+
+
+def where(condition, a, b):
+    """Elementwise ``a`` where ``condition`` else ``b`` (the condition is a boolean array)."""
+    condition = condition.data if isinstance(condition, Tensor) else xp.asarray(condition)
+    return ops.Where.apply(condition, a, b)
+
+
+def masked_fill(x, mask, value):
+    """``x`` with ``value`` wherever ``mask`` is True."""
+    return where(mask, value, x)

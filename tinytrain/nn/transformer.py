@@ -1,0 +1,171 @@
+"""A GPT: token + position embeddings, pre-LayerNorm transformer blocks, a tied output head.
+
+    ids (B, T) ─ wte + wpe ─ dropout ─► [ Block ] × n_layer ─ ln_f ─ head ─► logits (B, T, vocab)
+
+    Block:  x = x + dropout(proj(attention(ln_1(x))))
+            x = x + dropout(fc_2(gelu(fc_1(ln_2(x)))))        (or a mixture of experts)
+
+Every parallel strategy in ``tinytrain.parallel`` splits this same model, and its tests compare
+against it, so it is deliberately plain: no fused QKV, no attention-probability dropout (dropout
+is applied where a sequence-parallel rank can reproduce the serial mask), weight layout (in, out).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy
+
+from tinytrain import functional as F
+from tinytrain.autograd import Tensor
+from tinytrain.backend import xp
+from tinytrain.nn.layers import Dropout, Embedding, LayerNorm, Linear
+from tinytrain.nn.module import Module, ModuleList
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 32
+    block_size: int = 32
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+    n_experts: int = 0  # > 0: every block's MLP is a mixture of this many experts
+    moe_top_k: int = 2
+    moe_capacity_factor: float = 0.0  # 0: no capacity limit (no token is dropped)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: each head gets "
+                f"n_embd/n_head channels. Choose n_head among {_divisors(self.n_embd)}."
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.n_experts < 0 or (self.n_experts and not 1 <= self.moe_top_k <= self.n_experts):
+            raise ValueError(
+                f"moe_top_k={self.moe_top_k} must be between 1 and n_experts={self.n_experts}"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class CausalSelfAttention(Module):
+    """Multi-head attention where position t attends to positions ≤ t."""
+
+    def __init__(self, config: GPTConfig, rng=None):
+        super().__init__()
+        C = config.n_embd
+        self.n_head = config.n_head
+        proj_std = 0.02 / math.sqrt(2 * config.n_layer)  # GPT-2: residual projections scaled down
+        self.q = Linear(C, C, config.bias, rng=rng)
+        self.k = Linear(C, C, config.bias, rng=rng)
+        self.v = Linear(C, C, config.bias, rng=rng)
+        self.proj = Linear(C, C, config.bias, std=proj_std, rng=rng)
+        self.dropout = Dropout(config.dropout)
+
+    def split_heads(self, x):
+        B, T, C = x.shape
+        return x.reshape(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.split_heads(self.q(x)), self.split_heads(self.k(x)), self.split_heads(self.v(x))
+        y = F.scaled_dot_product_attention(q, k, v, causal=True)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.dropout(self.proj(y))
+
+
+class MLP(Module):
+    def __init__(self, n_embd: int, hidden: int, dropout: float = 0.0, bias: bool = True, proj_std=0.02, rng=None):
+        super().__init__()
+        self.fc_1 = Linear(n_embd, hidden, bias, rng=rng)
+        self.fc_2 = Linear(hidden, n_embd, bias, std=proj_std, rng=rng)
+        self.dropout = Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.fc_2(F.gelu(self.fc_1(x))))
+
+
+class Block(Module):
+    def __init__(self, config: GPTConfig, rng=None):
+        super().__init__()
+        from tinytrain.nn.moe import MoE
+
+        C = config.n_embd
+        proj_std = 0.02 / math.sqrt(2 * config.n_layer)
+        self.ln_1 = LayerNorm(C, bias=config.bias)
+        self.attn = CausalSelfAttention(config, rng)
+        self.ln_2 = LayerNorm(C, bias=config.bias)
+        if config.n_experts:
+            self.mlp = MoE(C, 4 * C, config.n_experts, config.moe_top_k, config.moe_capacity_factor,
+                           config.dropout, config.bias, proj_std, rng)
+        else:
+            self.mlp = MLP(C, 4 * C, config.dropout, config.bias, proj_std, rng)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(Module):
+    """A GPT built from ``config``; ``seed`` fixes every initial weight."""
+
+    def __init__(self, config: GPTConfig, seed: int = 0):
+        super().__init__()
+        self.config = config
+        rng = numpy.random.default_rng(seed)
+        self.wte = Embedding(config.vocab_size, config.n_embd, rng=rng)
+        self.wpe = Embedding(config.block_size, config.n_embd, rng=rng)
+        self.drop = Dropout(config.dropout)
+        self.blocks = ModuleList(Block(config, rng) for _ in range(config.n_layer))
+        self.ln_f = LayerNorm(config.n_embd, bias=config.bias)
+        # Tied: the output head reuses the token embedding (transposed), as GPT-2 does.
+        self.head = None if config.tie_weights else Linear(config.n_embd, config.vocab_size, False, rng=rng)
+
+    def embed(self, ids):
+        """Token plus position embeddings of ``ids`` (B, T) -> (B, T, n_embd)."""
+        ids = xp.asarray(ids.data if isinstance(ids, Tensor) else ids)
+        if ids.ndim != 2:
+            raise ValueError(f"GPT takes token ids of shape (batch, time), got {ids.shape}")
+        T = ids.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        positions = xp.arange(T)
+        return self.drop(self.wte(ids) + self.wpe(positions))
+
+    def logits(self, x):
+        """Final LayerNorm and output head: (B, T, n_embd) -> (B, T, vocab_size)."""
+        x = self.ln_f(x)
+        if self.head is None:
+            return F.linear(x, self.wte.weight.T)
+        return self.head(x)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.logits(x)
+
+    def moe_aux_loss(self):
+        """Sum of the MoE layers' load-balancing losses from the last forward (0.0 without MoE)."""
+        from tinytrain.nn.moe import MoE
+
+        total = 0.0
+        for m in self.modules():
+            if isinstance(m, MoE) and m.aux_loss is not None:
+                total = m.aux_loss + total
+        return total

@@ -1,0 +1,163 @@
+"""Optimizers (SGD with momentum, AdamW), gradient-norm clipping and a warmup + cosine schedule.
+
+Each optimizer keeps its per-parameter state in ``optimizer.state[param]`` (a dict of arrays),
+so it can be inspected, counted (``state_bytes()``) and, in ZeRO, sharded. The update rule itself
+is a plain function on arrays (``Optimizer.update``), so ZeRO can apply it to a shard of a
+parameter with a shard of its gradient and a shard of its state.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tinytrain.backend import to_host, xp
+
+
+class Optimizer:
+    def __init__(self, params, lr: float):
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("the optimizer got no parameters")
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError("a parameter appears twice in the optimizer's list")
+        if lr < 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        self.lr = lr
+        self.state: dict = {}
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        """Update every parameter that has a gradient, in place."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            state = self.state.get(p)
+            if state is None:
+                state = self.state[p] = self.init_state(p.data)
+            self.update(p.data, p.grad, state)
+
+    def init_state(self, param):
+        raise NotImplementedError
+
+    def update(self, param, grad, state) -> None:
+        """Apply one step to the array ``param`` from ``grad`` and ``state`` (all in place)."""
+        raise NotImplementedError
+
+    def state_bytes(self) -> int:
+        return sum(a.nbytes for s in self.state.values() for a in s.values() if hasattr(a, "nbytes"))
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """``{"lr": ..., "state": {param index: {name: host array or number}}}``."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        return {
+            "lr": self.lr,
+            "state": {
+                index[id(p)]: {k: (to_host(v).copy() if hasattr(v, "shape") else v) for k, v in s.items()}
+                for p, s in self.state.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lr = state["lr"]
+        self.state = {}
+        for i, s in state["state"].items():
+            p = self.params[int(i)]
+            self.state[p] = {k: (xp.asarray(v) if hasattr(v, "shape") and v.shape else v) for k, v in s.items()}
+
+
+class SGD(Optimizer):
+    """p -= lr · (g + wd·p), with heavy-ball momentum: v = μ·v + (g + wd·p); p -= lr·v."""
+
+    def __init__(self, params, lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0):
+        super().__init__(params, lr)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self.momentum, self.weight_decay = momentum, weight_decay
+
+    def init_state(self, param):
+        return {"momentum": xp.zeros_like(param)} if self.momentum else {}
+
+    def update(self, param, grad, state) -> None:
+        if self.weight_decay:
+            grad = grad + self.weight_decay * param
+        if self.momentum:
+            buf = state["momentum"]
+            buf *= self.momentum
+            buf += grad
+            grad = buf
+        param -= self.lr * grad
+
+
+class AdamW(Optimizer):
+    """Adam with bias correction and decoupled weight decay (Loshchilov & Hutter):
+
+        m = β1·m + (1-β1)·g          v = β2·v + (1-β2)·g²
+        p -= lr · ( m/(1-β1^t) / (sqrt(v/(1-β2^t)) + eps)  +  wd·p )
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
+        super().__init__(params, lr)
+        b1, b2 = betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        self.betas, self.eps, self.weight_decay = (b1, b2), eps, weight_decay
+
+    def init_state(self, param):
+        return {"step": 0, "exp_avg": xp.zeros_like(param), "exp_avg_sq": xp.zeros_like(param)}
+
+    def update(self, param, grad, state) -> None:
+        b1, b2 = self.betas
+        state["step"] += 1
+        t = state["step"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m *= b1
+        m += (1 - b1) * grad
+        v *= b2
+        v += (1 - b2) * (grad * grad)
+        if self.weight_decay:
+            param *= 1 - self.lr * self.weight_decay  # decoupled: not part of the gradient
+        denom = xp.sqrt(v / (1 - b2**t))
+        denom += self.eps
+        param -= (self.lr / (1 - b1**t)) * m / denom
+
+
+def clip_grad_norm_(params, max_norm: float, total_norm: float | None = None) -> float:
+    """Scale all gradients so their global L2 norm is at most ``max_norm``; return the norm
+    before clipping. Sharded strategies compute the global norm themselves and pass it in."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if total_norm is None:
+        total_norm = math.sqrt(sum(float((g.astype(xp.float64) ** 2).sum()) for g in grads))
+    if max_norm > 0 and total_norm > max_norm:
+        scale = max_norm / (total_norm + 1e-6)
+        for g in grads:
+            g *= scale
+    return total_norm
+
+
+class WarmupCosine:
+    """Linear warmup from 0 to ``base_lr`` over ``warmup`` steps, then a cosine decay to
+    ``min_lr`` at ``total`` steps (and ``min_lr`` after). Call ``step()`` once per update."""
+
+    def __init__(self, optimizer: Optimizer, warmup: int, total: int, min_lr: float = 0.0, base_lr: float | None = None):
+        if total <= 0 or warmup < 0 or warmup > total:
+            raise ValueError(f"need 0 <= warmup <= total and total > 0, got warmup={warmup}, total={total}")
+        self.optimizer, self.warmup, self.total, self.min_lr = optimizer, warmup, total, min_lr
+        self.base_lr = optimizer.lr if base_lr is None else base_lr
+        self.last_step = 0
+        optimizer.lr = self.lr_at(1)
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate used for update number ``step`` (1-based)."""
+        if step <= self.warmup:
+            return self.base_lr * step / max(1, self.warmup)
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_lr + 0.5 * (self.base_lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+
+    def step(self) -> None:
+        self.last_step += 1
+        self.optimizer.lr = self.lr_at(self.last_step + 1)

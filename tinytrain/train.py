@@ -1,0 +1,210 @@
+"""``tinytrain train``: train a GPT and leave metrics, a loss curve and a checkpoint behind.
+
+    tinytrain train                          # the built-in addition task, about a minute on 2 cores
+    tinytrain train --data book.txt          # characters of any text file
+    tinytrain train --out runs/a --resume    # continue exactly where runs/a stopped
+
+The loop is the textbook one: draw a batch, forward, loss, backward, clip, optimizer step, LR
+schedule. Batches and dropout masks are functions of (seed, step), so a resumed run reproduces
+the uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from tinytrain import checkpoint
+from tinytrain import functional as F
+from tinytrain import random as _random
+from tinytrain.autograd import no_grad
+from tinytrain.backend import device, xp
+from tinytrain.data import AdditionDataset, load_dataset
+from tinytrain.nn import GPT, GPTConfig
+from tinytrain.optim import SGD, AdamW, WarmupCosine, clip_grad_norm_
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    data = p.add_argument_group("data")
+    data.add_argument("--data", default="addition", help="'addition' (built in) or a path to a text file")
+    data.add_argument("--block-size", type=int, default=None, help="context length for text data (default 64)")
+    model = p.add_argument_group("model")
+    model.add_argument("--layers", type=int, default=2)
+    model.add_argument("--heads", type=int, default=4)
+    model.add_argument("--width", type=int, default=128, help="embedding width (n_embd)")
+    model.add_argument("--dropout", type=float, default=0.0)
+    model.add_argument("--experts", type=int, default=0, help="> 0: mixture-of-experts MLPs with this many experts")
+    opt = p.add_argument_group("optimization")
+    opt.add_argument("--steps", type=int, default=600)
+    opt.add_argument("--batch-size", type=int, default=64, help="global batch (sequences per step)")
+    opt.add_argument("--lr", type=float, default=3e-3)
+    opt.add_argument("--min-lr", type=float, default=3e-4)
+    opt.add_argument("--warmup", type=int, default=30)
+    opt.add_argument("--weight-decay", type=float, default=0.01)
+    opt.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
+    opt.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    run = p.add_argument_group("run")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--out", default="runs/latest", help="folder for metrics.json, loss.png, ckpt.npz")
+    run.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.npz")
+    run.add_argument("--eval-every", type=int, default=100)
+    run.add_argument("--eval-batches", type=int, default=4)
+    run.add_argument("--ckpt-every", type=int, default=200)
+    run.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
+    run.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def check_args(args) -> None:
+    """Reject impossible settings with a message that says what to change."""
+    for name in ("steps", "batch_size", "layers", "heads", "width", "eval_every", "eval_batches", "ckpt_every"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.lr <= 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
+    if args.warmup > args.steps:
+        raise ValueError(f"--warmup {args.warmup} is longer than --steps {args.steps}")
+
+
+def build(args, dataset):
+    config = GPTConfig(
+        vocab_size=dataset.vocab_size, block_size=dataset.block_size, n_layer=args.layers,
+        n_head=args.heads, n_embd=args.width, dropout=args.dropout, n_experts=args.experts,
+    )
+    model = GPT(config, seed=args.seed)
+    if args.optimizer == "adamw":
+        optimizer = AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    else:
+        optimizer = SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
+    schedule = WarmupCosine(optimizer, args.warmup, args.steps, min_lr=args.min_lr)
+    return model, optimizer, schedule
+
+
+def loss_of(model, x, y):
+    loss = F.cross_entropy(model(xp.asarray(x)), xp.asarray(y))
+    if model.config.n_experts:
+        loss = loss + 0.01 * model.moe_aux_loss()
+    return loss
+
+
+def evaluate(model, dataset, args, step: int) -> dict:
+    model.eval()
+    result = {}
+    with no_grad():
+        for split in ("train", "val"):
+            losses = [
+                loss_of(model, *dataset.batch(split, args.batch_size, seed=args.seed + 1, step=i)).item()
+                for i in range(args.eval_batches)
+            ]
+            result[f"{split}_loss"] = sum(losses) / len(losses)
+    if isinstance(dataset, AdditionDataset):
+        from tinytrain.sample import generate
+
+        result["val_accuracy"] = dataset.accuracy(lambda p, n: generate(model, p, n), count=200, seed=args.seed)
+    model.train()
+    return result
+
+
+class Progress:
+    """One self-rewriting line on a terminal; a plain line every so often elsewhere (CI logs)."""
+
+    def __init__(self, total: int, quiet: bool):
+        self.total, self.quiet = total, quiet
+        self.tty = sys.stderr.isatty()
+        self.every = max(1, total // 20)
+        self.start = time.perf_counter()
+
+    def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
+        if self.quiet:
+            return
+        done = step / self.total
+        bar = "#" * int(24 * done) + "-" * (24 - int(24 * done))
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / max(done, 1e-9) - elapsed
+        line = (f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] loss {loss:.4f} "
+                f"| {tokens_per_s / 1000:.1f}k tok/s | eta {eta:4.0f}s {extra}")
+        if self.tty:
+            print("\r" + line, end="\n" if step == self.total else "", file=sys.stderr, flush=True)
+        elif step % self.every == 0 or step == self.total or extra:
+            print(line, file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    check_args(args)
+    dataset = load_dataset(args.data, args.block_size)
+    model, optimizer, schedule = build(args, dataset)
+    out = Path(args.out)
+    ckpt_path = out / "ckpt.npz"
+    metrics = {"config": {"args": vars(args).copy(), "model": model.config.to_dict(), "device": device,
+                          "parameters": model.num_parameters()},
+               "steps": []}
+    metrics["config"]["args"].pop("_module", None)
+    start_step = 0
+    if args.resume:
+        model_state, optim_state, meta = checkpoint.load(ckpt_path)
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+        start_step = meta["step"]
+        metrics["steps"] = meta["metrics_steps"]
+        schedule.last_step = start_step
+        optimizer.lr = schedule.lr_at(start_step + 1)
+        if start_step >= args.steps:
+            print(f"checkpoint is at step {start_step}; nothing to do for --steps {args.steps}", file=sys.stderr)
+
+    if not args.quiet:
+        print(f"tinytrain: GPT with {model.num_parameters():,} parameters on {device}, data={dataset.name}, "
+              f"batch {args.batch_size} x {dataset.block_size} tokens, steps {start_step + 1}..{args.steps}",
+              file=sys.stderr)
+    progress = Progress(args.steps, args.quiet)
+    tokens_per_step = args.batch_size * dataset.block_size
+    for step in range(start_step + 1, args.steps + 1):
+        t0 = time.perf_counter()
+        _random.manual_seed((args.seed, step))  # dropout masks depend on (seed, step) only
+        x, y = dataset.batch("train", args.batch_size, seed=args.seed, step=step)
+        loss = loss_of(model, x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip else None
+        lr = optimizer.lr
+        optimizer.step()
+        schedule.step()
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss became {loss_value} at step {step}; lower --lr or enable --grad-clip")
+        dt = time.perf_counter() - t0
+        record = {"step": step, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_per_step / dt}
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
+        extra = ""
+        if step % args.eval_every == 0 or step == args.steps:
+            ev = evaluate(model, dataset, args, step)
+            record.update(val_loss=ev["val_loss"], eval_train_loss=ev["train_loss"])
+            if "val_accuracy" in ev:
+                record["val_accuracy"] = ev["val_accuracy"]
+            extra = f"val {ev['val_loss']:.4f}" + (f" acc {ev['val_accuracy']:.2f}" if "val_accuracy" in ev else "")
+        metrics["steps"].append(record)
+        progress.update(step, loss_value, record["tokens_per_s"], extra)
+        if step % args.ckpt_every == 0 or step == args.steps:
+            save_checkpoint(ckpt_path, model, optimizer, args, step, metrics)
+
+    final = evaluate(model, dataset, args, args.steps)
+    metrics["final"] = final
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    if not args.no_plot and metrics["steps"]:
+        from tinytrain.viz import plot_loss_curve
+
+        plot_loss_curve(metrics, out / "loss.png", title=f"GPT on {dataset.name}")
+    if not args.quiet:
+        summary = ", ".join(f"{k} {v:.4f}" for k, v in final.items())
+        print(f"done: {summary}; wrote {out}/metrics.json, loss.png, ckpt.npz", file=sys.stderr)
+    return 0
+
+
+def save_checkpoint(path, model, optimizer, args, step, metrics) -> None:
+    meta = {"step": step, "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+            "model_config": model.config.to_dict(), "metrics_steps": metrics["steps"]}
+    checkpoint.save(path, model.state_dict(), optimizer.state_dict(), meta)
