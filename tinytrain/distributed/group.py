@@ -1,0 +1,257 @@
+"""Process groups and the named device mesh.
+
+A :class:`ProcessGroup` is a set of ranks that talk to each other: an MPI communicator plus the
+bookkeeping our collectives need (a name for byte accounting and error messages, the world rank of
+each member, and a counter of collectives issued so far). Ranks inside a group are numbered
+``0..size-1``; every ``group=`` argument in this package takes *group* ranks for peers, roots and
+sources (``send(x, dst=1, group=tp)`` sends to rank 1 of ``tp``).
+
+``init()`` makes the world group from ``MPI_COMM_WORLD`` (duplicated, so our messages can never
+match a message of another library on the same communicator). The test harness instead installs a
+fresh communicator for every test with :func:`_install_world`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import zlib
+
+from . import watchdog
+from ._mpi import MPI
+
+_world: "ProcessGroup | None" = None
+_owned_comms: list = []  # communicators we created and must free when the world is replaced
+
+
+class ProcessGroup:
+    """A communicator with a name. ``rank``/``size`` are this process's position in the group."""
+
+    def __init__(self, comm, name: str, world_ranks: tuple[int, ...]):
+        self.comm = comm
+        self.name = name
+        self.world_ranks = tuple(world_ranks)  # group rank i is world rank world_ranks[i]
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.seq = 0  # collectives issued on this group so far (same on every member)
+
+    def world_rank(self, group_rank: int) -> int:
+        return self.world_ranks[group_rank]
+
+    def describe(self) -> str:
+        return f"group {self.name} (world ranks {list(self.world_ranks)})"
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup({self.name!r}, ranks={list(self.world_ranks)}, rank={self.rank})"
+
+
+class NonMember:
+    """What :func:`new_group` returns on a rank that is not in the group (like torch).
+
+    Using it in a collective is an error that says which ranks may use it.
+    """
+
+    def __init__(self, name: str, world_ranks: tuple[int, ...]):
+        self.name = name
+        self.world_ranks = tuple(world_ranks)
+
+    def __repr__(self) -> str:
+        return f"NonMember({self.name!r}, ranks={list(self.world_ranks)})"
+
+
+# --- the world -----------------------------------------------------------------------------------
+
+
+def init(comm=None) -> ProcessGroup:
+    """Start tinytrain.distributed (idempotent) and return the world group.
+
+    ``comm`` defaults to ``MPI.COMM_WORLD``; it is duplicated, never used directly. Also installs an
+    exception hook so that a rank dying of an uncaught exception tells the others at once (they
+    raise :class:`PeerFailure` instead of waiting for their deadline).
+    """
+    if _world is None:
+        _install_world(MPI.COMM_WORLD if comm is None else comm)
+        _install_excepthook()
+    return _world
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def _install_world(comm, name: str = "world") -> ProcessGroup:
+    """Make a duplicate of ``comm`` the world (used by init and by the test harness per test)."""
+    global _world
+    _uninstall_world()
+    data = comm.Dup()
+    alert = comm.Dup()  # the failure side channel, see watchdog.py
+    _owned_comms.extend([data, alert])
+    _world = ProcessGroup(data, name, tuple(range(data.Get_size())))
+    watchdog.install(alert)
+    return _world
+
+
+def _uninstall_world() -> None:
+    """Forget the world and free every communicator we made (used between tests)."""
+    global _world
+    _world = None
+    watchdog.uninstall()
+    from . import collectives  # noqa: PLC0415  (collectives imports group)
+
+    collectives._forget_pending()
+    while _owned_comms:
+        comm = _owned_comms.pop()
+        try:
+            comm.Free()  # local in MPICH; messages still in flight are dropped with it
+        except Exception:
+            pass
+
+
+def _install_excepthook() -> None:
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if not isinstance(value, watchdog.PeerFailure):
+            watchdog.report_failure(f"{kind.__name__}: {value}")
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def world() -> ProcessGroup:
+    """The world group (calls :func:`init` if needed)."""
+    return init() if _world is None else _world
+
+
+def resolve(group) -> ProcessGroup:
+    """``group`` or the world; a clear error for groups this rank is not in."""
+    if group is None:
+        return world()
+    if isinstance(group, NonMember):
+        me = world().rank
+        raise ValueError(
+            f"rank {me} is not a member of group {group.name} (world ranks {list(group.world_ranks)}); "
+            f"call this only on ranks {list(group.world_ranks)}, or build a group that includes "
+            f"rank {me}."
+        )
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup from new_group()/DeviceMesh or None, not {group!r}")
+    return group
+
+
+def get_rank(group=None) -> int:
+    """This process's rank in ``group`` (default: the world)."""
+    return resolve(group).rank
+
+
+def get_world_size(group=None) -> int:
+    """Number of ranks in ``group`` (default: the world)."""
+    return resolve(group).size
+
+
+def new_group(ranks, name: str | None = None):
+    """A group of the given world ranks; group rank i is ``ranks[i]``.
+
+    Like torch, every rank may call it; ranks outside ``ranks`` get a :class:`NonMember`. Only the
+    members communicate while it is built (``MPI_Comm_create_group``), so calling it on members
+    only is fine too.
+    """
+    w = world()
+    ranks = tuple(int(r) for r in ranks)
+    if not ranks:
+        raise ValueError("new_group needs at least one rank")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"new_group ranks {list(ranks)} contain a duplicate")
+    bad = [r for r in ranks if not 0 <= r < w.size]
+    if bad:
+        raise ValueError(f"new_group ranks {bad} are outside the world of {w.size} ranks (0..{w.size - 1})")
+    name = name or "group" + "".join(f"_{r}" for r in ranks)
+    if w.rank not in ranks:
+        return NonMember(name, ranks)
+    return _subgroup(w, list(ranks), name)
+
+
+# --- the device mesh -----------------------------------------------------------------------------
+
+
+class DeviceMesh:
+    """Ranks arranged on named axes, e.g. ``DeviceMesh({"dp": 2, "tp": 2})``.
+
+    Order: the *last* axis is innermost (row-major, like a NumPy array of ranks), so with
+    ``{"dp": 2, "tp": 2}``::
+
+                  tp=0  tp=1
+        dp=0  ->  rank 0  rank 1        rank = dp_index * tp_size + tp_index
+        dp=1  ->  rank 2  rank 3
+
+    Ranks next to each other (on one node, with fast links) share a TP group, which is what tensor
+    parallelism wants; DP groups stride across them. Every rank must construct the mesh.
+    """
+
+    def __init__(self, shape: dict[str, int], group=None):
+        base = resolve(group)
+        if not shape:
+            raise ValueError("DeviceMesh needs at least one axis, e.g. {'dp': 2, 'tp': 2}")
+        for axis, size in shape.items():
+            if int(size) < 1:
+                raise ValueError(f"mesh axis {axis!r} has size {size}; sizes must be >= 1")
+        self.shape = {axis: int(size) for axis, size in shape.items()}
+        self.axis_names = tuple(self.shape)
+        total = math.prod(self.shape.values())
+        if total != base.size:
+            raise ValueError(
+                f"DeviceMesh {self.shape} needs {total} ranks but {base.describe()} has {base.size}; "
+                f"run with mpirun -n {total} or change the mesh so its sizes multiply to {base.size}."
+            )
+        self.base = base
+        self.rank = base.rank
+        self.coords = self.coords_of(base.rank)
+        self._groups = {}
+        for axis in self.axis_names:  # same order on every rank, so group creation matches up
+            members = [self.rank_at(**{**self.coords, axis: i}) for i in range(self.shape[axis])]
+            self._groups[axis] = _subgroup(base, members, axis)
+
+    def coords_of(self, rank: int) -> dict[str, int]:
+        """The coordinates of a rank of the mesh's base group."""
+        coords = {}
+        for axis in reversed(self.axis_names):
+            coords[axis] = rank % self.shape[axis]
+            rank //= self.shape[axis]
+        return {axis: coords[axis] for axis in self.axis_names}
+
+    def rank_at(self, **coords) -> int:
+        """The rank at the given coordinates (all axes must be given)."""
+        rank = 0
+        for axis in self.axis_names:
+            rank = rank * self.shape[axis] + int(coords[axis])
+        return rank
+
+    def get_group(self, axis: str) -> ProcessGroup:
+        """The group of ranks that differ from this one only along ``axis``."""
+        if axis not in self._groups:
+            raise ValueError(f"mesh has axes {list(self.axis_names)}, not {axis!r}")
+        return self._groups[axis]
+
+    def size(self, axis: str) -> int:
+        return self.shape[axis]
+
+    def coordinate(self, axis: str) -> int:
+        return self.coords[axis]
+
+    def ring(self, axis: str) -> tuple[int, int]:
+        """(previous, next) neighbour of this rank on ``axis``, as ranks of that axis's group."""
+        n, i = self.shape[axis], self.coords[axis]
+        return (i - 1) % n, (i + 1) % n
+
+    def __repr__(self) -> str:
+        return f"DeviceMesh({self.shape}, rank={self.rank}, coords={self.coords})"
+
+
+def _subgroup(base: ProcessGroup, members: list[int], name: str) -> ProcessGroup:
+    """A group of ``members`` (ranks of ``base``), built only by those members."""
+    # The tag keeps concurrent creations of different groups apart; it is the same on all members
+    # (crc32, not hash(): Python salts string hashes differently in every process).
+    tag = zlib.crc32(repr(members).encode()) % 30000
+    comm = base.comm.Create_group(base.comm.Get_group().Incl(members), tag)
+    _owned_comms.append(comm)
+    return ProcessGroup(comm, name, tuple(base.world_rank(m) for m in members))

@@ -1,0 +1,224 @@
+"""Point-to-point messages: the only way data moves between ranks in tinytrain.
+
+Everything here is built from mpi4py's *buffer* calls ``Isend``/``Irecv`` (upper case: they send
+the bytes of an array, no pickling). Every message is non-blocking; completion is found by polling
+in :func:`watchdog.wait_until`, so every wait has a deadline.
+
+Public calls (peers are ranks *of the group*, the world by default)::
+
+    send(x, dst)        recv(x, src)          # blocking; recv fills x in place
+    h = isend(x, dst)   h = irecv(x, src)     # h.wait(), h.test(), h.is_completed()
+    sendrecv(x, dst, y, src)                  # send x to dst while receiving y from src
+
+:class:`Exchange` is the building block the collectives use: a few sends and receives posted
+together that complete together (one "step" of an algorithm).
+
+GPU arrays (CuPy): MPI reads and writes memory directly, outside any CUDA stream, so we
+``synchronize()`` before handing it a device buffer. If MPI is CUDA-aware we pass the device
+buffer itself; otherwise we stage through host memory (copy to host before a send, copy back to
+the device after a receive completes). Detection: ``TINYTRAIN_CUDA_AWARE_MPI=0|1`` if set, else
+``MPIX_Query_cuda_support`` when the MPI library has it, else no.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy
+
+from tinytrain import backend, trace
+
+from . import stats, watchdog
+from ._mpi import MPI
+from .group import resolve
+
+MAX_USER_TAG = 1023  # collectives use tags above this, so user p2p can never match them
+
+
+# --- buffers -------------------------------------------------------------------------------------
+
+
+def check_buffer(tensor, what: str, writable: bool = False):
+    """Validate an array handed to a communication call; return it unchanged."""
+    if not backend.is_array(tensor):
+        raise TypeError(
+            f"{what} expects a NumPy/CuPy array, got {type(tensor).__name__}; "
+            "for a tinytrain Tensor pass tensor.data"
+        )
+    if not tensor.flags.c_contiguous:
+        raise ValueError(
+            f"{what} needs a C-contiguous buffer, but this array (shape {tuple(tensor.shape)}, "
+            f"strides {tuple(tensor.strides)}) is a strided view, e.g. a transpose or a slice; "
+            "pass xp.ascontiguousarray(x) (and copy the result back if the call writes into it)"
+        )
+    if writable and not tensor.flags.writeable:
+        raise ValueError(f"{what} writes into its buffer, but this array is read-only")
+    return tensor
+
+
+_cuda_aware: bool | None = None
+
+
+def cuda_aware() -> bool:
+    """Can MPI read and write GPU memory directly? (cached; see the module docstring)"""
+    global _cuda_aware
+    if _cuda_aware is None:
+        env = os.environ.get("TINYTRAIN_CUDA_AWARE_MPI")
+        if env in ("0", "1"):
+            _cuda_aware = env == "1"
+        else:
+            query = getattr(MPI, "Query_cuda_support", None)  # mpi4py >= 4 wraps MPIX_Query_cuda_support
+            try:
+                _cuda_aware = bool(query()) if query else False
+            except Exception:
+                _cuda_aware = False
+    return _cuda_aware
+
+
+def _is_device(arr) -> bool:
+    return backend.on_gpu and not isinstance(arr, numpy.ndarray)
+
+
+# --- one step: some sends and receives that complete together -------------------------------------
+
+
+class Exchange:
+    """Messages posted together; :meth:`test` is True once all of them have completed.
+
+    ``peer`` arguments are group ranks; ``group``/``op`` are only used for accounting, tracing and
+    error messages. ``what`` names the algorithm step ("ring all-gather step 2/3").
+    """
+
+    __slots__ = ("group", "op", "what", "reqs", "labels", "after", "start", "nbytes")
+
+    def __init__(self, group, op: str, what: str):
+        self.group, self.op, self.what = group, op, what
+        self.reqs, self.labels, self.after = [], [], []
+        self.start = trace.now() if trace.enabled else 0.0
+        self.nbytes = 0
+
+    def send(self, buf, peer: int, tag: int) -> None:
+        if _is_device(buf):
+            backend.synchronize()  # the kernel writing buf must finish before MPI reads it
+            if not cuda_aware():
+                buf = backend.to_host(buf)  # a host copy; kept alive by the request below
+        self.reqs.append(self.group.comm.Isend(buf, dest=peer, tag=tag))
+        self.labels.append(("send to", self.group.world_rank(peer)))
+        stats.count_send(self.group.name, self.op, buf.nbytes)
+        self.nbytes += buf.nbytes
+
+    def recv(self, buf, peer: int, tag: int) -> None:
+        target = buf
+        if _is_device(buf):
+            backend.synchronize()  # nothing may still be writing the buffer MPI is about to fill
+            if not cuda_aware():
+                target = numpy.empty(buf.shape, dtype=buf.dtype)
+                self.after.append(lambda: buf.__setitem__(Ellipsis, backend.asarray(target)))
+        self.reqs.append(self.group.comm.Irecv(target, source=peer, tag=tag))
+        self.labels.append(("recv from", self.group.world_rank(peer)))
+        stats.count_recv(self.group.name, self.op, buf.nbytes)
+
+    def test(self) -> bool:
+        """Poll MPI; True (and staged data copied back) once every message has completed."""
+        reqs = self.reqs
+        for i, req in enumerate(reqs):
+            if req is not None and req.Test():
+                reqs[i] = None
+        if any(r is not None for r in reqs):
+            return False
+        if self.after:
+            for fn in self.after:
+                fn()
+            self.after = []
+        if trace.enabled and self.labels:
+            trace.record(
+                self.op, "comm.step", self.start, trace.now(), group=self.group.name, step=self.what,
+                peer=[p for _, p in self.labels], bytes=self.nbytes,
+            )
+            self.labels = []
+        return True
+
+    def pending(self) -> list[tuple[str, int]]:
+        return [label for req, label in zip(self.reqs, self.labels) if req is not None]
+
+
+# --- the public point-to-point calls ---------------------------------------------------------------
+
+
+class P2PWork:
+    """Handle of an ``isend``/``irecv``: ``wait()`` (with deadline), ``test()``, ``is_completed()``."""
+
+    def __init__(self, exchange: Exchange, result):
+        self._ex, self._result, self._done = exchange, result, False
+
+    def test(self) -> bool:
+        if not self._done:
+            self._done = self._ex.test()
+        return self._done
+
+    is_completed = test
+
+    def wait(self, timeout: float | None = None):
+        ex = self._ex
+        wait_until(self.test, lambda: f"{ex.op} on {ex.group.describe()}", ex.pending, timeout)
+        return self._result
+
+
+def wait_until(done, describe, pending, timeout=None):
+    watchdog.wait_until(done, describe, pending, timeout)
+
+
+def _check_peer(g, peer: int, role: str) -> int:
+    peer = int(peer)
+    if not 0 <= peer < g.size:
+        raise ValueError(f"{role}={peer} is not a rank of {g.describe()} (valid: 0..{g.size - 1})")
+    return peer
+
+
+def _check_tag(tag: int) -> int:
+    if not 0 <= tag <= MAX_USER_TAG:
+        raise ValueError(f"tag={tag} must be in 0..{MAX_USER_TAG} (higher tags are reserved for collectives)")
+    return tag
+
+
+def isend(tensor, dst: int, group=None, tag: int = 0) -> P2PWork:
+    """Start sending ``tensor`` to rank ``dst`` of ``group``. Do not modify it until ``wait()``."""
+    g = resolve(group)
+    check_buffer(tensor, "isend")
+    ex = Exchange(g, "send", f"send to rank {dst}")
+    ex.send(tensor, _check_peer(g, dst, "dst"), _check_tag(tag))
+    return P2PWork(ex, tensor)
+
+
+def irecv(tensor, src: int, group=None, tag: int = 0) -> P2PWork:
+    """Start receiving into ``tensor`` from rank ``src`` of ``group``; ``wait()`` returns it."""
+    g = resolve(group)
+    check_buffer(tensor, "irecv", writable=True)
+    ex = Exchange(g, "recv", f"recv from rank {src}")
+    ex.recv(tensor, _check_peer(g, src, "src"), _check_tag(tag))
+    return P2PWork(ex, tensor)
+
+
+def send(tensor, dst: int, group=None, tag: int = 0) -> None:
+    """Send ``tensor`` to rank ``dst`` and wait until the buffer may be reused."""
+    isend(tensor, dst, group, tag).wait()
+
+
+def recv(tensor, src: int, group=None, tag: int = 0):
+    """Receive into ``tensor`` (in place) from rank ``src``; returns ``tensor``."""
+    return irecv(tensor, src, group, tag).wait()
+
+
+def sendrecv(send_tensor, dst: int, recv_tensor, src: int, group=None, tag: int = 0):
+    """Send ``send_tensor`` to ``dst`` while receiving ``recv_tensor`` from ``src``.
+
+    Both are posted before either is waited on, so a ring of ranks each calling
+    ``sendrecv(x, right, y, left)`` cannot deadlock. Returns ``recv_tensor``.
+    """
+    g = resolve(group)
+    check_buffer(send_tensor, "sendrecv (send buffer)")
+    check_buffer(recv_tensor, "sendrecv (receive buffer)", writable=True)
+    ex = Exchange(g, "sendrecv", f"sendrecv to rank {dst} / from rank {src}")
+    ex.recv(recv_tensor, _check_peer(g, src, "src"), _check_tag(tag))
+    ex.send(send_tensor, _check_peer(g, dst, "dst"), _check_tag(tag))
+    return P2PWork(ex, recv_tensor).wait()

@@ -1,0 +1,102 @@
+"""Byte accounting: how many bytes this rank sent and received, per group and operation.
+
+Every message that :mod:`tinytrain.distributed` posts is counted here when it is posted, under the
+name of the group it travels in and the public operation it belongs to (``"all_reduce"``,
+``"send"``, ...). A received message is counted with the size of the buffer posted for it; our
+collectives always post exactly the size the sender sends, so the two agree.
+
+Use :func:`comm_stats` to measure a region of code::
+
+    with dist.comm_stats() as s:
+        dist.all_reduce(x)
+    s.sent("all_reduce")     # bytes this rank sent for all_reduce calls inside the block
+    s.recv(group="tp")       # bytes received in the group named "tp", any operation
+
+The counters only grow; a ``comm_stats`` block reports the difference between its end and its
+start, so blocks may nest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+# (group name, op name) -> [bytes sent, bytes received, messages sent, messages received]
+_counters: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+
+
+def count_send(group: str, op: str, nbytes: int) -> None:
+    """Count one posted send of ``nbytes`` bytes."""
+    row = _counters[(group, op)]
+    row[0] += nbytes
+    row[2] += 1
+
+
+def count_recv(group: str, op: str, nbytes: int) -> None:
+    """Count one posted receive of ``nbytes`` bytes."""
+    row = _counters[(group, op)]
+    row[1] += nbytes
+    row[3] += 1
+
+
+def snapshot() -> dict[tuple[str, str], tuple[int, int, int, int]]:
+    """A copy of all counters."""
+    return {key: tuple(row) for key, row in _counters.items()}
+
+
+class CommStats:
+    """The bytes counted between two snapshots, with small query helpers."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str], tuple[int, int, int, int]] = {}
+
+    def _sum(self, column: int, op: str | None, group: str | None) -> int:
+        return sum(
+            row[column]
+            for (g, o), row in self.rows.items()
+            if (op is None or o == op) and (group is None or g == group)
+        )
+
+    def sent(self, op: str | None = None, group: str | None = None) -> int:
+        """Bytes sent, optionally only for one operation and/or one group name."""
+        return self._sum(0, op, group)
+
+    def recv(self, op: str | None = None, group: str | None = None) -> int:
+        """Bytes received, optionally only for one operation and/or one group name."""
+        return self._sum(1, op, group)
+
+    def messages(self, op: str | None = None, group: str | None = None) -> int:
+        """Messages sent."""
+        return self._sum(2, op, group)
+
+    def table(self) -> str:
+        """A small text table, one line per (group, op)."""
+        lines = [f"{'group':<16}{'op':<16}{'sent':>14}{'recv':>14}{'msgs':>8}"]
+        for (g, o), (s, r, m, _) in sorted(self.rows.items()):
+            lines.append(f"{g:<16}{o:<16}{s:>14}{r:>14}{m:>8}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"CommStats(sent={self.sent()}, recv={self.recv()})"
+
+
+@contextlib.contextmanager
+def comm_stats():
+    """Count the bytes sent and received inside the ``with`` block (see module docstring)."""
+    before = snapshot()
+    stats = CommStats()
+    try:
+        yield stats
+    finally:
+        for key, row in snapshot().items():
+            old = before.get(key, (0, 0, 0, 0))
+            delta = tuple(a - b for a, b in zip(row, old))
+            if any(delta):
+                stats.rows[key] = delta
+
+
+def totals() -> CommStats:
+    """Everything counted since the process started."""
+    stats = CommStats()
+    stats.rows = snapshot()
+    return stats

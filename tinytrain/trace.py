@@ -1,0 +1,147 @@
+"""Timeline tracing: spans of compute and communication per rank, exported as a Chrome trace.
+
+Off by default. When off, :func:`span` and :func:`record` return at once (one module-level flag
+check), so library code may call them everywhere. Turn it on with :func:`enable` or the environment
+variable ``TINYTRAIN_TRACE=1``.
+
+A span is a dict::
+
+    {"name": "all_reduce", "cat": "comm", "rank": 0, "start": <us>, "end": <us>, "args": {...}}
+
+``start``/``end`` are microseconds of wall-clock time (``time.time`` at import, advanced by the
+monotonic ``perf_counter``), so spans from different processes on one machine line up.
+Communication spans carry ``group``, ``peer`` and ``bytes`` in ``args``.
+
+Typical use::
+
+    trace.enable()
+    with trace.span("forward", cat="compute", layer=3):
+        ...
+    spans = trace.merge()                 # every rank's spans, on rank 0 (None elsewhere)
+    trace.write_chrome("trace.json", spans)   # open in https://ui.perfetto.dev
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+enabled: bool = os.environ.get("TINYTRAIN_TRACE", "0") not in ("", "0")
+_spans: list[dict] = []
+_rank: int | None = None
+
+# Wall-clock anchor: perf_counter is precise but its zero differs per process; time.time is shared.
+_WALL0_US = time.time() * 1e6
+_PERF0 = time.perf_counter()
+
+
+def now() -> float:
+    """Microseconds on the shared timeline."""
+    return _WALL0_US + (time.perf_counter() - _PERF0) * 1e6
+
+
+def enable(on: bool = True) -> None:
+    """Start (or with ``on=False`` stop) recording spans."""
+    global enabled
+    enabled = bool(on)
+
+
+def clear() -> None:
+    """Forget all spans recorded so far on this rank."""
+    _spans.clear()
+
+
+def spans() -> list[dict]:
+    """This rank's spans (the live list)."""
+    return _spans
+
+
+def _my_rank() -> int:
+    if _rank is not None:
+        return _rank
+    try:  # layering: trace imports nothing above it at module level
+        from tinytrain import distributed
+
+        return distributed.get_rank() if distributed.is_initialized() else 0
+    except Exception:
+        return 0
+
+
+def record(name: str, cat: str, start: float, end: float, **args) -> None:
+    """Record a finished span from ``start`` to ``end`` (values from :func:`now`)."""
+    if not enabled:
+        return
+    _spans.append(
+        {"name": name, "cat": cat, "rank": _my_rank(), "start": start, "end": end, "args": args}
+    )
+
+
+@contextlib.contextmanager
+def span(name: str, cat: str = "compute", **args):
+    """Record the ``with`` block as one span. Extra keyword arguments land in ``args``."""
+    if not enabled:
+        yield
+        return
+    start = now()
+    try:
+        yield
+    finally:
+        record(name, cat, start, now(), **args)
+
+
+def merge(group=None) -> list[dict] | None:
+    """Collect every rank's spans on rank 0 of ``group``; return them there, None elsewhere.
+
+    Uses tinytrain's own collectives (tracing is paused while it runs, so the merge does not
+    record itself).
+    """
+    global enabled
+    from tinytrain import distributed as dist
+    import numpy
+
+    was, enabled = enabled, False
+    try:
+        if not dist.is_initialized():
+            return list(_spans)
+        blob = numpy.frombuffer(json.dumps(_spans).encode(), dtype=numpy.uint8).copy()
+        length = numpy.array([blob.size], dtype=numpy.int64)
+        lengths = dist.all_gather(length, group=group)
+        everything = dist.all_gather(blob, group=group, sizes=[int(n) for n in lengths])
+        if dist.get_rank(group) != 0:
+            return None
+        merged, offset = [], 0
+        for n in lengths:
+            merged.extend(json.loads(everything[offset : offset + int(n)].tobytes().decode()))
+            offset += int(n)
+        return merged
+    finally:
+        enabled = was
+
+
+def to_chrome(span_list: list[dict]) -> dict:
+    """Chrome trace-event JSON: one process row per rank, one thread row per category."""
+    events = []
+    for s in span_list:
+        events.append(
+            {
+                "name": s["name"],
+                "cat": s["cat"],
+                "ph": "X",
+                "pid": s["rank"],
+                "tid": s["cat"],
+                "ts": s["start"],
+                "dur": max(0.0, s["end"] - s["start"]),
+                "args": s["args"],
+            }
+        )
+    for rank in sorted({s["rank"] for s in span_list}):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome(path: str, span_list: list[dict] | None = None) -> None:
+    """Write ``span_list`` (default: this rank's spans) as Chrome trace JSON to ``path``."""
+    with open(path, "w") as f:
+        json.dump(to_chrome(_spans if span_list is None else span_list), f)
