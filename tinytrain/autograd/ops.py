@@ -234,7 +234,7 @@ class Max(Function):
     def backward(ctx, grad):
         (is_max,) = ctx.saved
         shape, axis, keepdims = ctx.args
-        share = is_max / is_max.sum(axis=axis, keepdims=True)
+        share = (is_max / is_max.sum(axis=axis, keepdims=True)).astype(grad.dtype)
         return (_expand_reduced(grad, shape, axis, keepdims) * share,)
 
 

@@ -25,8 +25,9 @@ class Tensor:
         if isinstance(data, Tensor):
             data = data.data
         if not isinstance(data, xp.ndarray):
+            has_dtype = hasattr(data, "dtype")  # a NumPy scalar (0-d op results) keeps its dtype
             data = xp.asarray(data)
-            if dtype is None and data.dtype.kind == "f" and data.dtype != DEFAULT_DTYPE:
+            if dtype is None and not has_dtype and data.dtype.kind == "f" and data.dtype != DEFAULT_DTYPE:
                 data = data.astype(DEFAULT_DTYPE)  # Python floats become float32, not float64
         if dtype is not None and data.dtype != dtype:
             data = data.astype(dtype)
