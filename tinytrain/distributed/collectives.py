@@ -92,6 +92,7 @@ class Work:
     """Drives a collective's generator; returned by ``async_op=True`` calls."""
 
     def __init__(self, call: _Call, gen):
+        __tracebackhide__ = True
         self._call, self._gen = call, gen
         self._done, self._result, self._error = False, None, None
         with _lock:
@@ -99,6 +100,7 @@ class Work:
 
     def _advance(self) -> bool:
         """Run the generator as far as it goes without waiting. True when finished."""
+        __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
         step = self._call.step
         while step is None or step.test():
             try:
@@ -118,6 +120,7 @@ class Work:
 
     def test(self) -> bool:
         """Advance the algorithm if its current step completed; True once it is finished."""
+        __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
         if self._done or self._error:
             return True
         with _lock:
@@ -133,6 +136,7 @@ class Work:
 
     def wait(self, timeout: float | None = None):
         """Drive the algorithm to the end (deadline: TINYTRAIN_TIMEOUT) and return its result."""
+        __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
         c = self._call
         watchdog.wait_until(self.test, c.describe, c.pending, timeout)
         if self._error is not None:
@@ -185,6 +189,7 @@ def stop_progress_thread() -> None:
 
 def _run(call: _Call, body, async_op: bool, signature: dict):
     """Start ``body`` (a generator) behind the debug signature check; wait unless async."""
+    __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
     gen = _checked(call, signature, body) if watchdog.debug() else body
     work = Work(call, gen)
     if async_op:
@@ -201,6 +206,7 @@ def _run(call: _Call, body, async_op: bool, signature: dict):
 
 def _checked(c: _Call, sig: dict, body):
     """Exchange signatures with every rank of the group, compare, then run ``body``."""
+    __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
     mine = dict(sig, op=c.op, seq=c.seq)
     blob = json.dumps(mine).encode()[:_SIG_BYTES].ljust(_SIG_BYTES)
     send = numpy.frombuffer(blob, dtype=numpy.uint8).copy()
@@ -219,14 +225,15 @@ def _checked(c: _Call, sig: dict, body):
 
 def _fmt_sig(s: dict) -> str:
     args = [f"shape={tuple(s['shape'])}", s["dtype"]]
-    args += [f"{k}={s[k]}" for k in ("op_", "root", "algo") if s.get(k) is not None]
+    args += [f"{k}={s[k]}" for k in ("reduce", "root", "algo") if s.get(k) is not None]
     return f"{s['op']}({', '.join(args)}) [collective #{s['seq']}]"
 
 
 def _compare_signatures(c: _Call, sigs: dict[int, dict]) -> None:
     """Raise CollectiveMismatch, in words, unless all ranks called the same thing."""
+    __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
     ref = sigs[0]
-    keys = ["op", "seq", "dtype", "op_", "root", "algo"] + (["shape"] if ref.get("same_shape") else [])
+    keys = ["op", "seq", "dtype", "reduce", "root", "algo"] + (["shape"] if ref.get("same_shape") else [])
     for rank in sorted(sigs):
         s = sigs[rank]
         diff = [k for k in keys if s.get(k) != ref.get(k)]
@@ -605,6 +612,7 @@ def all_reduce(tensor, op: str = "sum", group=None, async_op: bool = False, algo
     algo: ``"ring"`` (large buffers), ``"recursive_doubling"`` (small, < 64 KiB by default),
     ``"naive"`` (gather to rank 0 + send back: the parameter-server shape).
     """
+    __tracebackhide__ = True  # in pytest, errors point at the caller's line
     g = resolve(group)
     check_buffer(tensor, "all_reduce", writable=True)
     _check_op(op, tensor.dtype)
@@ -621,11 +629,12 @@ def all_reduce(tensor, op: str = "sum", group=None, async_op: bool = False, algo
         return tensor
 
     c = _Call(g, "all_reduce", algo)
-    return _run(c, run(), async_op, _sig(tensor, same_shape=True, op_=op, algo=algo))
+    return _run(c, run(), async_op, _sig(tensor, same_shape=True, reduce=op, algo=algo))
 
 
 def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, algo: str | None = None):
     """Copy ``tensor`` from rank ``src`` to every rank, **in place**. algo: ``"tree"``, ``"naive"``."""
+    __tracebackhide__ = True  # in pytest, errors point at the caller's line
     g = resolve(group)
     check_buffer(tensor, "broadcast", writable=True)
     root = _check_root(g, src, "src")
@@ -646,6 +655,7 @@ def reduce(tensor, dst: int = 0, op: str = "sum", group=None, async_op: bool = F
 
     algo: ``"tree"`` (binomial), ``"naive"`` (everyone sends to ``dst``).
     """
+    __tracebackhide__ = True  # in pytest, errors point at the caller's line
     g = resolve(group)
     check_buffer(tensor, "reduce", writable=True)
     _check_op(op, tensor.dtype)
@@ -661,7 +671,7 @@ def reduce(tensor, dst: int = 0, op: str = "sum", group=None, async_op: bool = F
         return tensor
 
     c = _Call(g, "reduce", algo)
-    return _run(c, run(), async_op, _sig(tensor, same_shape=True, root=root, op_=op, algo=algo))
+    return _run(c, run(), async_op, _sig(tensor, same_shape=True, root=root, reduce=op, algo=algo))
 
 
 def all_gather(tensor, group=None, async_op: bool = False, algo: str | None = None, sizes=None, out=None):
@@ -671,6 +681,7 @@ def all_gather(tensor, group=None, async_op: bool = False, algo: str | None = No
     is given; the other dimensions must match. Ring algorithm: rank r sends every piece but
     piece (r+1) % n, so with equal pieces it sends (n-1)/n of the gathered buffer.
     """
+    __tracebackhide__ = True  # in pytest, errors point at the caller's line
     g = resolve(group)
     check_buffer(tensor, "all_gather")
     _check_algo("all_gather", algo, ("ring",), "ring")
@@ -704,6 +715,7 @@ def reduce_scatter(tensor, op: str = "sum", group=None, async_op: bool = False, 
     ``sizes`` (rows per rank) is given. Ring algorithm: rank r sends every chunk but its own,
     (n-1)/n of the buffer when pieces are equal.
     """
+    __tracebackhide__ = True  # in pytest, errors point at the caller's line
     g = resolve(group)
     check_buffer(tensor, "reduce_scatter")
     _check_op(op, tensor.dtype)
@@ -738,7 +750,7 @@ def reduce_scatter(tensor, op: str = "sum", group=None, async_op: bool = False, 
         return out
 
     c = _Call(g, "reduce_scatter", "ring")
-    return _run(c, run(), async_op, _sig(tensor, same_shape=True, op_=op, sizes=sizes, algo="ring"))
+    return _run(c, run(), async_op, _sig(tensor, same_shape=True, reduce=op, sizes=sizes, algo="ring"))
 
 
 def all_to_all(tensor, send_sizes=None, recv_sizes=None, group=None, async_op: bool = False,
@@ -750,6 +762,7 @@ def all_to_all(tensor, send_sizes=None, recv_sizes=None, group=None, async_op: b
     ``send_sizes``; ``recv_sizes`` is exchanged automatically when not given (one extra pairwise
     round of n integers). Pairwise-exchange algorithm: n-1 steps, one partner each.
     """
+    __tracebackhide__ = True  # in pytest, errors point at the caller's line
     g = resolve(group)
     check_buffer(tensor, "all_to_all")
     _check_algo("all_to_all", algo, ("pairwise",), "pairwise")
@@ -790,6 +803,7 @@ def gather(tensor, dst: int = 0, group=None, async_op: bool = False, algo: str |
 
     Returns the new array on ``dst`` and None elsewhere. Linear: each rank sends once to ``dst``.
     """
+    __tracebackhide__ = True  # in pytest, errors point at the caller's line
     g = resolve(group)
     check_buffer(tensor, "gather")
     root = _check_root(g, dst, "dst")
@@ -815,6 +829,7 @@ def scatter(tensor, full=None, src: int = 0, group=None, async_op: bool = False,
 
     ``full`` is needed on ``src`` only: ``n`` pieces of ``tensor``'s shape stacked along axis 0.
     """
+    __tracebackhide__ = True  # in pytest, errors point at the caller's line
     g = resolve(group)
     check_buffer(tensor, "scatter", writable=True)
     root = _check_root(g, src, "src")
@@ -840,6 +855,7 @@ def scatter(tensor, full=None, src: int = 0, group=None, async_op: bool = False,
 
 def barrier(group=None, async_op: bool = False):
     """Return once every rank of the group has entered (dissemination algorithm, zero-byte messages)."""
+    __tracebackhide__ = True  # in pytest, errors point at the caller's line
     g = resolve(group)
     c = _Call(g, "barrier", "dissemination")
     return _run(c, _barrier_dissemination(c), async_op, dict(shape=[], dtype="none", same_shape=True))

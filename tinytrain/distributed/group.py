@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 import zlib
 
 from . import watchdog
@@ -79,11 +80,15 @@ def is_initialized() -> bool:
     return _world is not None
 
 
-def _install_world(comm, name: str = "world") -> ProcessGroup:
-    """Make a duplicate of ``comm`` the world (used by init and by the test harness per test)."""
+def _install_world(comm, name: str = "world", dup: bool = True) -> ProcessGroup:
+    """Make ``comm`` the world (used by init, and by the test harness for every test).
+
+    With ``dup=True`` a duplicate of ``comm`` is used; with ``dup=False`` we take ``comm`` over and
+    free it with the world.
+    """
     global _world
     _uninstall_world()
-    data = comm.Dup()
+    data = comm.Dup() if dup else comm
     alert = comm.Dup()  # the failure side channel, see watchdog.py
     _owned_comms.extend([data, alert])
     _world = ProcessGroup(data, name, tuple(range(data.Get_size())))
@@ -91,8 +96,8 @@ def _install_world(comm, name: str = "world") -> ProcessGroup:
     return _world
 
 
-def _uninstall_world() -> None:
-    """Forget the world and free every communicator we made (used between tests)."""
+def _uninstall_world(free: bool = True) -> None:
+    """Forget the world and (if ``free``) free every communicator we made."""
     global _world
     _world = None
     watchdog.uninstall()
@@ -101,10 +106,27 @@ def _uninstall_world() -> None:
     collectives._forget_pending()
     while _owned_comms:
         comm = _owned_comms.pop()
-        try:
-            comm.Free()  # local in MPICH; messages still in flight are dropped with it
-        except Exception:
-            pass
+        if free:
+            _drain(comm)
+            comm.Free()
+
+
+def _drain(comm, limit: float = 1.0) -> None:
+    """Receive and discard messages nobody received (e.g. a send whose receive never came).
+
+    MPI reuses a freed communicator's id for a later one; a stray message still waiting here could
+    otherwise be matched by a receive on that later communicator. Called when all ranks are done
+    with ``comm`` (the harness calls it after the ranks agreed on a test's outcome).
+    """
+    status = MPI.Status()
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        msg = comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+        if msg is None:
+            return
+        req = msg.Irecv(bytearray(status.Get_count(MPI.BYTE)))
+        while not req.Test() and time.monotonic() < deadline:
+            time.sleep(1e-4)
 
 
 def _install_excepthook() -> None:

@@ -159,12 +159,14 @@ class P2PWork:
     is_completed = test
 
     def wait(self, timeout: float | None = None):
+        __tracebackhide__ = True
         ex = self._ex
         wait_until(self.test, lambda: f"{ex.op} on {ex.group.describe()}", ex.pending, timeout)
         return self._result
 
 
 def wait_until(done, describe, pending, timeout=None):
+    __tracebackhide__ = True
     watchdog.wait_until(done, describe, pending, timeout)
 
 
@@ -183,6 +185,7 @@ def _check_tag(tag: int) -> int:
 
 def isend(tensor, dst: int, group=None, tag: int = 0) -> P2PWork:
     """Start sending ``tensor`` to rank ``dst`` of ``group``. Do not modify it until ``wait()``."""
+    __tracebackhide__ = True  # in pytest, errors point at the caller's line
     g = resolve(group)
     check_buffer(tensor, "isend")
     ex = Exchange(g, "send", f"send to rank {dst}")
@@ -192,6 +195,7 @@ def isend(tensor, dst: int, group=None, tag: int = 0) -> P2PWork:
 
 def irecv(tensor, src: int, group=None, tag: int = 0) -> P2PWork:
     """Start receiving into ``tensor`` from rank ``src`` of ``group``; ``wait()`` returns it."""
+    __tracebackhide__ = True  # in pytest, errors point at the caller's line
     g = resolve(group)
     check_buffer(tensor, "irecv", writable=True)
     ex = Exchange(g, "recv", f"recv from rank {src}")
@@ -201,11 +205,13 @@ def irecv(tensor, src: int, group=None, tag: int = 0) -> P2PWork:
 
 def send(tensor, dst: int, group=None, tag: int = 0) -> None:
     """Send ``tensor`` to rank ``dst`` and wait until the buffer may be reused."""
+    __tracebackhide__ = True  # in pytest, errors point at the caller's line
     isend(tensor, dst, group, tag).wait()
 
 
 def recv(tensor, src: int, group=None, tag: int = 0):
     """Receive into ``tensor`` (in place) from rank ``src``; returns ``tensor``."""
+    __tracebackhide__ = True  # in pytest, errors point at the caller's line
     return irecv(tensor, src, group, tag).wait()
 
 
@@ -215,6 +221,7 @@ def sendrecv(send_tensor, dst: int, recv_tensor, src: int, group=None, tag: int 
     Both are posted before either is waited on, so a ring of ranks each calling
     ``sendrecv(x, right, y, left)`` cannot deadlock. Returns ``recv_tensor``.
     """
+    __tracebackhide__ = True  # in pytest, errors point at the caller's line
     g = resolve(group)
     check_buffer(send_tensor, "sendrecv (send buffer)")
     check_buffer(recv_tensor, "sendrecv (receive buffer)", writable=True)

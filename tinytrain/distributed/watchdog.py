@@ -134,6 +134,7 @@ def wait_until(done, describe, pending, deadline: float | None = None) -> None:
     ``pending()`` lists what is still outstanding as ``[("recv from", world_rank), ...]``; both are
     called only when an error is raised. ``deadline`` (seconds) defaults to :func:`timeout`.
     """
+    __tracebackhide__ = True  # pytest: show the caller's line, not this loop
     if done():
         return
     limit = timeout() if deadline is None else deadline
@@ -165,6 +166,7 @@ def _fmt_pending(items) -> str:
 
 
 def _check_failures(describe, pending, waited: float) -> None:
+    __tracebackhide__ = True  # pytest: show the caller's line, not this loop
     known = poll_failures()
     if not known:
         return

@@ -1,0 +1,280 @@
+"""pytest plugin that makes ``mpirun -n N python -m pytest`` behave like one test run.
+
+Loaded by the root ``conftest.py`` (``pytest_plugins = ["grader.mpi_plugin"]``). Every rank runs
+pytest over the same tests in the same order; this plugin coordinates them:
+
+* **One report.** Only rank 0 prints. After each test the ranks send rank 0 their outcome; a test
+  passes only if it passed on every rank that ran it, and a failure on any rank is shown under
+  ``rank k``. All ranks then agree on the outcome, so every rank's exit status is the same.
+* **Fresh communicator per test.** Before each test the plugin splits a new communicator off the
+  harness's own and installs it as ``tinytrain.distributed``'s world; after the test it is freed.
+  A message one test left behind can never be received by the next one. (After a *failed* test
+  the communicators are not freed: MPI may recycle a freed communicator's id, and a stray message
+  of the failed test could then match a receive of a later test. That leaks a few ids per failure.)
+* **World size.** ``@pytest.mark.world_size(n)`` runs the test on ranks ``0..n-1`` with a world of
+  ``n`` ranks; extra ranks sit out (they wait, asleep, for the outcome). With fewer than ``n`` ranks
+  the test is skipped with "run with mpirun -n n". A test without the marker is a single-process
+  test: it runs on rank 0 only, with a one-rank world, so ``python -m pytest`` and ``mpirun -n 4
+  python -m pytest`` both run it exactly once.
+* **Failures travel fast.** When a test fails on one rank, that rank posts a failure notice (see
+  ``tinytrain/distributed/watchdog.py``), so ranks blocked in a collective with it raise
+  ``PeerFailure`` at once instead of waiting for their deadline.
+* **Test settings.** Unless already set: ``TINYTRAIN_TIMEOUT=20`` (seconds per communication wait)
+  and ``TINYTRAIN_DEBUG=1`` (collective signatures cross-checked). ``TINYTRAIN_TEST_TIMEOUT``
+  (default 600) bounds how long rank 0 waits for another rank to finish a test; past it the run is
+  aborted with a message naming the rank and test, so even a test stuck outside tinytrain's
+  communication cannot hang the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("TINYTRAIN_TIMEOUT", "20")
+os.environ.setdefault("TINYTRAIN_DEBUG", "1")
+
+import pytest  # noqa: E402
+from _pytest.runner import runtestprotocol  # noqa: E402
+
+_TAG = 11
+_ctl = None  # the harness's own communicator (a dup of COMM_WORLD)
+_rank, _size = 0, 1
+
+
+def _mpi():
+    from tinytrain.distributed._mpi import MPI  # sets MPICH defaults before MPI_Init
+
+    return MPI
+
+
+# --- startup ---------------------------------------------------------------------------------------
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    global _ctl, _rank, _size
+    MPI = _mpi()
+    _ctl = MPI.COMM_WORLD.Dup()
+    _rank, _size = _ctl.Get_rank(), _ctl.Get_size()
+    # Declared in pyproject.toml too; repeated here so test files outside the repo can use them.
+    config.addinivalue_line("markers", "world_size(n): the test needs exactly n MPI ranks")
+    if _rank != 0:
+        _silence(config)
+
+
+def _silence(config) -> None:
+    """Point the terminal reporter of ranks > 0 at /dev/null (their outcomes reach rank 0 anyway)."""
+    from _pytest.config import create_terminal_writer
+
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None:
+        reporter._tw = create_terminal_writer(config, file=open(os.devnull, "w"))
+
+
+def pytest_report_header(config):
+    return f"tinytrain MPI harness: {_size} rank(s), TINYTRAIN_TIMEOUT={os.environ['TINYTRAIN_TIMEOUT']}s, " \
+           f"TINYTRAIN_DEBUG={os.environ['TINYTRAIN_DEBUG']}"
+
+
+# --- one test --------------------------------------------------------------------------------------
+
+
+def _needed_ranks(item) -> int | None:
+    marker = item.get_closest_marker("world_size")
+    if marker is None:
+        return None
+    if not marker.args or int(marker.args[0]) < 1:
+        raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.world_size(n) with n >= 1")
+    return int(marker.args[0])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    from tinytrain.distributed import group as dist_group
+
+    MPI = _mpi()
+    n = _needed_ranks(item)
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+
+    if n is not None and n > _size:
+        item.add_marker(pytest.mark.skip(reason=f"needs {n} MPI ranks: run with mpirun -n {n}"))
+        _log(item, runtestprotocol(item, nextitem=nextitem, log=False))
+        return True
+
+    # A fresh communicator for the ranks taking part (collective over all ranks when n is given).
+    takes_part = _rank < (n or 1)
+    if n is None:
+        comm = MPI.COMM_SELF.Dup() if takes_part else None
+    else:
+        comm = _ctl.Split(0 if takes_part else MPI.UNDEFINED, _rank)
+    if takes_part:
+        dist_group._install_world(comm, dup=False)  # takes comm over; freed with the world
+    else:
+        item.add_marker(pytest.mark.skip(reason=f"rank {_rank} sits out (test uses {n or 1} rank(s))"))
+
+    reports = runtestprotocol(item, nextitem=nextitem, log=False)
+    if _size > 1:
+        _agree(item, reports, takes_part)
+    if takes_part:
+        clean = all(not r.failed for r in reports)
+        dist_group._uninstall_world(free=clean)
+    _log(item, reports)
+    return True
+
+
+def _log(item, reports) -> None:
+    for rep in reports:
+        item.ihook.pytest_runtest_logreport(report=rep)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """When a phase fails on this rank, tell the other ranks now (they may be waiting for us)."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed and call.excinfo is not None:
+        from tinytrain.distributed import watchdog
+
+        if not call.excinfo.errisinstance(watchdog.PeerFailure):
+            watchdog.report_failure(f"{item.name} ({rep.when}): {call.excinfo.exconly()[:800]}")
+
+
+# --- agreeing on the outcome -----------------------------------------------------------------------
+
+
+def _summary(reports, takes_part: bool) -> list[tuple]:
+    """What this rank tells rank 0: its failed phases as (when, crash message, full text)."""
+    if not takes_part:
+        return []
+    out = []
+    for rep in reports:
+        if rep.failed:
+            out.append((rep.when, _crash_message_of(rep.longrepr), str(rep.longrepr)[-6000:]))
+    return out
+
+
+def _agree(item, reports, takes_part: bool) -> None:
+    """Gather every rank's failures on rank 0, send the list to all, and fold them into ``reports``."""
+    mine = _summary(reports, takes_part)
+    if _rank == 0:
+        failures = [(0,) + f for f in mine]
+        for peer in range(1, _size):
+            failures += [(peer,) + f for f in _recv(peer, item)]
+        sends = [_ctl.isend(failures, dest=peer, tag=_TAG) for peer in range(1, _size)]
+    else:
+        sends = [_ctl.isend(mine, dest=0, tag=_TAG)]
+        failures = _recv(0, item)
+    _poll(lambda: all(req.Test() for req in sends), item, "the outcome to be delivered")
+    others = [f for f in failures if f[0] != _rank]
+    if others:
+        _fold(reports, others)
+
+
+def _recv(peer: int, item):
+    box = []
+
+    def arrived():
+        msg = _ctl.improbe(source=peer, tag=_TAG)
+        if msg is not None:
+            box.append(msg.recv())
+        return bool(box)
+
+    _poll(arrived, item, f"rank {peer} to finish the test")
+    return box[0]
+
+
+def _poll(done, item, what: str) -> None:
+    """Wait (sleeping, so an idle rank leaves the core to busy ones) with the harness deadline."""
+    limit = float(os.environ.get("TINYTRAIN_TEST_TIMEOUT", "600"))
+    start, sleep = time.monotonic(), 1e-5
+    while not done():
+        if time.monotonic() - start > limit:
+            sys.stderr.write(
+                f"\ntinytrain harness (rank {_rank}): waited {limit:.0f} s for {what} in {item.nodeid}; "
+                "aborting all ranks (TINYTRAIN_TEST_TIMEOUT)\n"
+            )
+            sys.stderr.flush()
+            _mpi().COMM_WORLD.Abort(1)
+        time.sleep(sleep)
+        sleep = min(sleep * 2, 2e-3)
+
+
+def _is_echo(message: str) -> bool:
+    """A PeerFailure only repeats another rank's failure: show it as one line, after the cause."""
+    return "PeerFailure" in message
+
+
+class RankFailures:
+    """A failure report combining this rank's own failure (if any) with other ranks' failures.
+
+    Entries are (rank, when, crash message, text); root causes come first, then the one-line
+    echoes of ranks that failed only because a peer did.
+    """
+
+    def __init__(self, own, others: list[tuple]):
+        self.own = own  # this rank's original longrepr (rendered with pytest's formatting), or None
+        self.others = list(others)
+
+    def _entries(self):
+        entries = list(self.others)
+        if self.own is not None:
+            entries.append((_rank, None, _crash_message_of(self.own), self.own))
+        return sorted(entries, key=lambda e: (_is_echo(e[2]), e[0]))
+
+    @property
+    def reprcrash(self):
+        rank, _when, message, _text = self._entries()[0]
+        return _Crash(f"[rank {rank}] {message}")
+
+    def toterminal(self, tw) -> None:
+        first_with = {}
+        for rank, _when, message, text in self._entries():
+            tw.sep("-", f"rank {rank}")
+            if message in first_with:  # e.g. a mismatch every rank detects alike
+                tw.line(f"(same error as rank {first_with[message]})")
+                continue
+            first_with[message] = rank
+            if _is_echo(message):
+                tw.line(message)
+            elif hasattr(text, "toterminal"):
+                text.toterminal(tw)
+            else:
+                tw.line(str(text))
+
+    def __str__(self) -> str:
+        return "\n".join(f"---- rank {r} ----\n{m if _is_echo(m) else t}" for r, _w, m, t in self._entries())
+
+
+class _Crash:
+    def __init__(self, message: str):
+        self.message, self.path, self.lineno = message, "", 0
+
+
+def _crash_message_of(longrepr) -> str:
+    crash = getattr(longrepr, "reprcrash", None)
+    if crash is not None:
+        return crash.message
+    lines = str(longrepr).strip().splitlines() if longrepr else []
+    return lines[-1] if lines else "failed"
+
+
+def _fold(reports, others: list[tuple]) -> None:
+    """Mark this rank's report of each failed phase as failed, carrying the other ranks' messages."""
+    by_when = {}
+    for f in others:
+        by_when.setdefault(f[1], []).append(f)
+    for when, fails in by_when.items():
+        target = next((r for r in reports if r.when == when), None)
+        if target is None:  # e.g. another rank failed in "call" but this rank skipped/sat out
+            target = next((r for r in reports if r.failed), reports[-1])
+        own = target.longrepr if target.failed else None
+        if isinstance(own, RankFailures):
+            own.others += fails
+            continue
+        target.outcome = "failed"
+        target.longrepr = RankFailures(own, fails)
+        if hasattr(target, "wasxfail"):
+            del target.wasxfail
