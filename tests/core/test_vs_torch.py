@@ -1,0 +1,99 @@
+"""End to end against PyTorch (skipped where torch is not installed): the GPT's logits, loss and
+every parameter gradient, and AdamW/SGD trajectories over several steps."""
+
+from __future__ import annotations
+
+import numpy
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tinytrain import functional as F  # noqa: E402
+from tinytrain.autograd import Parameter  # noqa: E402
+from tinytrain.backend import to_host, xp  # noqa: E402
+from tinytrain.bench.step import torch_gpt  # noqa: E402
+from tinytrain.nn import GPT, GPTConfig  # noqa: E402
+from tinytrain.optim import SGD, AdamW  # noqa: E402
+from tinytrain.testing import assert_close  # noqa: E402
+
+
+def torch_param_grad(tm, name):
+    """PyTorch's gradient of ``name`` in tinytrain's layout (Linear weights transposed)."""
+    p = tm.get_parameter(name)
+    g = p.grad.numpy()
+    owner = tm.get_submodule(name.rsplit(".", 1)[0])
+    if isinstance(owner, torch.nn.Linear) and name.endswith("weight"):
+        g = g.T
+    return g
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(vocab_size=13, block_size=9, n_layer=2, n_head=4, n_embd=32),
+    dict(vocab_size=7, block_size=16, n_layer=1, n_head=1, n_embd=24),
+])
+def test_gpt_logits_loss_and_gradients_match_torch(cfg):
+    rng = numpy.random.default_rng()
+    config = GPTConfig(**cfg)
+    model = GPT(config, seed=int(rng.integers(1 << 30)))
+    # bigger than the init so LayerNorm gains, biases and attention patterns are not trivial
+    for _, p in model.named_parameters():
+        p.data[...] = xp.asarray((p.data + 0.1 * rng.standard_normal(p.shape)).astype(numpy.float32))
+    tm = torch_gpt(model, torch)
+    B, T = 3, config.block_size
+    ids = rng.integers(0, config.vocab_size, size=(B, T))
+    targets = rng.integers(0, config.vocab_size, size=(B, T))
+    targets[0, :2] = -100  # ignored positions
+
+    logits = model(ids)
+    loss = F.cross_entropy(logits, xp.asarray(targets))
+    loss.backward()
+
+    t_logits = tm(torch.from_numpy(ids))
+    t_loss = torch.nn.functional.cross_entropy(t_logits.flatten(0, 1), torch.from_numpy(targets).flatten(),
+                                               ignore_index=-100)
+    t_loss.backward()
+
+    assert_close(logits, t_logits.detach().numpy(), atol=1e-4, rtol=1e-4, what="logits")
+    assert loss.item() == pytest.approx(t_loss.item(), rel=1e-5, abs=1e-5)
+    names = [n for n, _ in tm.named_parameters()]
+    ours = dict(model.named_parameters())
+    assert sorted(names) == sorted(ours)  # same parameters, nothing left out on either side
+    for name in names:
+        g = torch_param_grad(tm, name)
+        scale = float(numpy.abs(g).max()) + 1e-12
+        assert_close(to_host(ours[name].grad), g, atol=1e-4 * scale + 1e-7, rtol=1e-3, what=f"grad {name}")
+
+
+def random_problem(rng, shapes):
+    values = [rng.standard_normal(s).astype(numpy.float32) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(numpy.float32) for s in shapes] for _ in range(5)]
+    ours = [Parameter(xp.asarray(v.copy())) for v in values]
+    theirs = [torch.tensor(v.copy(), requires_grad=True) for v in values]
+    return grads, ours, theirs
+
+
+def run_both(opt, topt, grads, ours, theirs):
+    for step_grads in grads:
+        for p, tp, g in zip(ours, theirs, step_grads):
+            p.grad = xp.asarray(g)
+            tp.grad = torch.from_numpy(g.copy())
+        opt.step()
+        topt.step()
+        for p, tp in zip(ours, theirs):
+            assert_close(p, tp.detach().numpy(), atol=1e-6, rtol=1e-5, what="parameter")
+
+
+def test_adamw_trajectory_matches_torch():
+    rng = numpy.random.default_rng()
+    grads, ours, theirs = random_problem(rng, [(4, 3), (5,)])
+    kw = dict(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    run_both(AdamW(ours, **kw), torch.optim.AdamW(theirs, **kw), grads, ours, theirs)
+
+
+@pytest.mark.parametrize("momentum,wd", [(0.0, 0.0), (0.9, 0.0), (0.9, 0.05)])
+def test_sgd_trajectory_matches_torch(momentum, wd):
+    rng = numpy.random.default_rng()
+    grads, ours, theirs = random_problem(rng, [(3, 2), (6,)])
+    opt = SGD(ours, lr=0.1, momentum=momentum, weight_decay=wd)
+    topt = torch.optim.SGD(theirs, lr=0.1, momentum=momentum, weight_decay=wd)
+    run_both(opt, topt, grads, ours, theirs)
