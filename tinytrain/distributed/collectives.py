@@ -138,7 +138,11 @@ class Work:
         """Drive the algorithm to the end (deadline: TINYTRAIN_TIMEOUT) and return its result."""
         __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
         c = self._call
-        watchdog.wait_until(self.test, c.describe, c.pending, timeout)
+        try:
+            watchdog.wait_until(self.test, c.describe, c.pending, timeout)
+        except (watchdog.CommTimeout, watchdog.PeerFailure) as exc:
+            c.group.broken = f"{type(exc).__name__} in {c.op} #{c.seq}"
+            raise
         if self._error is not None:
             raise self._error
         return self._result

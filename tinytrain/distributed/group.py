@@ -35,6 +35,9 @@ class ProcessGroup:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.seq = 0  # collectives issued on this group so far (same on every member)
+        # Set after a timeout or peer failure: messages of the abandoned operation may still be in
+        # flight and would be matched by the next one, so the group must not be used again.
+        self.broken: str | None = None
 
     def world_rank(self, group_rank: int) -> int:
         return self.world_ranks[group_rank]
@@ -148,7 +151,7 @@ def world() -> ProcessGroup:
 def resolve(group) -> ProcessGroup:
     """``group`` or the world; a clear error for groups this rank is not in."""
     if group is None:
-        return world()
+        group = world()
     if isinstance(group, NonMember):
         me = world().rank
         raise ValueError(
@@ -158,6 +161,11 @@ def resolve(group) -> ProcessGroup:
         )
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"group must be a ProcessGroup from new_group()/DeviceMesh or None, not {group!r}")
+    if group.broken:
+        raise watchdog.DistributedError(
+            f"{group.describe()} is unusable after an earlier {group.broken} on this rank: its "
+            "messages may still be in flight. Fix the cause of that error; a real job would restart."
+        )
     return group
 
 

@@ -161,7 +161,11 @@ class P2PWork:
     def wait(self, timeout: float | None = None):
         __tracebackhide__ = True
         ex = self._ex
-        wait_until(self.test, lambda: f"{ex.op} on {ex.group.describe()}", ex.pending, timeout)
+        try:
+            wait_until(self.test, lambda: f"{ex.op} on {ex.group.describe()}", ex.pending, timeout)
+        except (watchdog.CommTimeout, watchdog.PeerFailure) as exc:
+            ex.group.broken = f"{type(exc).__name__} in {ex.op}"
+            raise
         return self._result
 
 

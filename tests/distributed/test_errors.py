@@ -1,0 +1,114 @@
+"""Bad inputs fail early with an error that says what to change; waits end with named errors."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from tinytrain import distributed as dist
+
+
+def test_non_contiguous_buffer_is_rejected():
+    x = np.ones((4, 6), dtype=np.float32).T
+    with pytest.raises(ValueError, match="C-contiguous.*ascontiguousarray"):
+        dist.all_reduce(x)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        dist.all_gather(x)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        dist.send(x, 0)
+
+
+def test_non_arrays_and_bad_arguments_are_rejected():
+    with pytest.raises(TypeError, match="tensor.data"):
+        dist.all_reduce([1.0, 2.0])
+    x = np.ones(4, dtype=np.float32)
+    with pytest.raises(ValueError, match="op='median' is not one of"):
+        dist.all_reduce(x, op="median")
+    with pytest.raises(ValueError, match="algo='magic' is not one of ring, recursive_doubling, naive"):
+        dist.all_reduce(x, algo="magic")
+    with pytest.raises(ValueError, match="avg.*floating"):
+        dist.all_reduce(np.ones(3, dtype=np.int64), op="avg")
+    with pytest.raises(ValueError, match="src=3 is not a rank"):
+        dist.broadcast(x, src=3)
+    with pytest.raises(ValueError, match="read-only"):
+        ro = np.ones(3)
+        ro.flags.writeable = False
+        dist.all_reduce(ro)
+    with pytest.raises(ValueError, match="tag=5000"):
+        dist.isend(x, 0, tag=5000)
+    with pytest.raises(ValueError, match="out must have shape"):
+        dist.all_gather(x, out=np.empty(3, dtype=np.float32))
+    with pytest.raises(ValueError, match="sizes"):
+        dist.all_gather(x, sizes=[5])
+
+
+@pytest.mark.world_size(3)
+def test_uneven_splits_need_sizes():
+    with pytest.raises(ValueError, match="do not split evenly over 3 ranks; pass sizes"):
+        dist.reduce_scatter(np.ones(8))
+    with pytest.raises(ValueError, match="pass send_sizes"):
+        dist.all_to_all(np.ones(8))
+    with pytest.raises(ValueError, match="add up to 4, but the tensor has 8 rows"):
+        dist.all_to_all(np.ones(8), send_sizes=[1, 1, 2])
+
+
+@pytest.mark.world_size(4)
+def test_group_that_excludes_the_caller():
+    g = dist.new_group([0, 2])
+    x = np.ones(4)
+    if dist.get_rank() in (0, 2):
+        dist.all_reduce(x, group=g)
+        assert (x == 2).all()
+    else:
+        with pytest.raises(ValueError, match=r"rank \d is not a member of group group_0_2.*call this only on ranks \[0, 2\]"):
+            dist.all_reduce(x, group=g)
+    with pytest.raises(ValueError, match="outside the world of 4 ranks"):
+        dist.new_group([0, 9])
+
+
+@pytest.mark.world_size(4)
+def test_dtype_and_shape_mismatch_across_ranks_named_in_words(monkeypatch):
+    monkeypatch.setenv("TINYTRAIN_DEBUG", "1")
+    dtype = np.float64 if dist.get_rank() == 3 else np.float32
+    with pytest.raises(dist.CollectiveMismatch, match=r"rank 3 called all_reduce\(shape=\(8,\), float64.*while rank 0 called all_reduce\(shape=\(8,\), float32.*differ in dtype"):
+        dist.all_reduce(np.ones(8, dtype=dtype))
+    n = 9 if dist.get_rank() == 1 else 8
+    with pytest.raises(dist.CollectiveMismatch, match=r"rank 1 called broadcast\(shape=\(9,\).*while rank 0 called broadcast\(shape=\(8,\).*differ in shape"):
+        dist.broadcast(np.ones(n))
+    # and afterwards the group still works (the check itself left no messages behind)
+    x = np.ones(4)
+    dist.all_reduce(x)
+    assert (x == 4).all()
+
+
+@pytest.mark.world_size(2)
+def test_timeout_names_operation_group_step_peer_and_time(monkeypatch):
+    monkeypatch.setenv("TINYTRAIN_TIMEOUT", "1")
+    monkeypatch.setenv("TINYTRAIN_DEBUG", "0")
+    if dist.get_rank() == 0:  # rank 1 never joins this all_reduce
+        start = time.monotonic()
+        with pytest.raises(dist.CommTimeout) as err:
+            dist.all_reduce(np.ones(10_000, dtype=np.float32), algo="ring")
+        assert time.monotonic() - start < 5
+        msg = str(err.value)
+        for part in ["all_reduce(algo=ring)", "group world", "ring reduce-scatter step 1/1",
+                     "recv from rank 1", "timed out after 1."]:
+            assert part in msg, (part, msg)
+        # The abandoned all_reduce's messages may still arrive: the group refuses further use.
+        with pytest.raises(dist.DistributedError, match="unusable after an earlier CommTimeout in all_reduce"):
+            dist.barrier()
+
+
+@pytest.mark.world_size(2)
+def test_peer_failure_is_noticed_in_milliseconds(monkeypatch):
+    monkeypatch.setenv("TINYTRAIN_TIMEOUT", "30")
+    if dist.get_rank() == 1:
+        time.sleep(0.1)
+        dist.report_failure("rank 1 gave up on purpose")
+    else:
+        start = time.monotonic()
+        with pytest.raises(dist.PeerFailure, match="rank 1 failed.*gave up on purpose") as err:
+            dist.recv(np.empty(4), src=1)
+        assert "recv from rank 1" in str(err.value)
+        assert time.monotonic() - start < 5  # far below the 30 s deadline
