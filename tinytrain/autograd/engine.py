@@ -212,13 +212,18 @@ def _topological_order(root):
     and the number of graph edges leading into each leaf (keyed by id)."""
     order = []
     leaf_edges: dict[int, int] = {}
-    visited = {id(root)}
+    visited = set()
     stack = [(root, False)]
     while stack:
         t, expanded = stack.pop()
         if expanded:
             order.append(t)
             continue
+        # Mark a tensor visited when it is expanded, not when it is pushed: a tensor pushed early
+        # but reached again deeper down must be finished after (so ordered before) that deeper user.
+        if id(t) in visited:
+            continue
+        visited.add(id(t))
         stack.append((t, True))
         for inp in t._ctx.inputs:
             if inp is None or not inp.requires_grad:
@@ -226,7 +231,6 @@ def _topological_order(root):
             if inp._ctx is None:
                 leaf_edges[id(inp)] = leaf_edges.get(id(inp), 0) + 1
             elif id(inp) not in visited:
-                visited.add(id(inp))
                 stack.append((inp, False))
     order.reverse()
     return order, leaf_edges
