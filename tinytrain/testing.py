@@ -105,12 +105,14 @@ def assert_close(actual, expected, atol=1e-5, rtol=1e-4, what="values") -> None:
     if a.shape != e.shape:
         raise AssertionError(f"{what}: shape {a.shape} differs from the expected {e.shape}")
     allowed = atol + rtol * numpy.abs(e)
-    diff = numpy.abs(a - e)
+    with numpy.errstate(invalid="ignore", divide="ignore"):  # inf - inf, x / 0: judged below
+        diff = numpy.abs(a - e)
+        ratio = numpy.nan_to_num(diff / allowed, nan=numpy.inf, posinf=numpy.inf)
     same_nan = numpy.isnan(a) & numpy.isnan(e)
     bad = ~((diff <= allowed) | same_nan | (a == e))  # a == e: equal infinities
     if not bad.any():
         return
-    ratio = numpy.where(bad, numpy.nan_to_num(diff / allowed, nan=numpy.inf), -1.0)
+    ratio = numpy.where(bad, ratio, -1.0)
     worst = numpy.unravel_index(int(numpy.argmax(ratio)), a.shape)
     at = f" at index {tuple(int(i) for i in worst)}" if a.ndim else ""
     raise AssertionError(

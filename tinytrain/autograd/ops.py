@@ -135,7 +135,7 @@ class Pow(Function):
         a, b, out = ctx.saved
         sa, sb = ctx.shapes
         ga = unbroadcast(grad * b * a ** (b - 1), sa) if ctx.needs_input_grad[0] else None
-        gb = unbroadcast(grad * out * xp.log(a), sb) if ctx.needs_input_grad[1] else None
+        gb = unbroadcast(grad * out * xp.log(xp.asarray(a, dtype=out.dtype)), sb) if ctx.needs_input_grad[1] else None
         return ga, gb
 
 
