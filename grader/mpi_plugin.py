@@ -171,6 +171,9 @@ def _agree(item, reports, takes_part: bool) -> None:
     others = [f for f in failures if f[0] != _rank]
     if others:
         _fold(reports, others)
+    for rep in reports:  # label this rank's own failures with its rank too
+        if rep.failed and not isinstance(rep.longrepr, RankFailures):
+            rep.longrepr = RankFailures(rep.longrepr, [])
 
 
 def _recv(peer: int, item):

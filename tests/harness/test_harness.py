@@ -1,0 +1,146 @@
+"""The MPI test harness, tested from outside: run ``mpirun -n 4 python -m pytest`` on a file of
+injected faults and check that every fault ends in seconds, names the right rank and operation,
+and that the tests after each fault still pass.
+
+These tests start their own ``mpirun``; they carry no world_size marker, so under an outer
+``mpirun -n 4`` they run on rank 0 only (the other ranks sit out, asleep).
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FAULTS = '''
+import time
+import numpy as np
+import pytest
+from tinytrain import distributed as dist
+
+pytestmark = pytest.mark.world_size(4)
+
+def test_01_ok():
+    x = np.full(5, dist.get_rank(), dtype=np.float32)
+    dist.all_reduce(x)
+    assert (x == 6).all()
+
+def test_02_rank_raises_before_collective():
+    if dist.get_rank() == 1:
+        raise RuntimeError("injected on rank 1")
+    dist.all_reduce(np.ones(1000))
+
+def test_03_ok_after_raise():
+    x = np.ones(3)
+    dist.all_reduce(x, algo="ring")
+    assert (x == 4).all()
+
+def test_04_different_collectives():
+    if dist.get_rank() == 2:
+        dist.all_gather(np.ones(8, dtype=np.float32))
+    else:
+        dist.all_reduce(np.ones(8, dtype=np.float32))
+
+def test_05_mismatched_shapes():
+    dist.all_reduce(np.ones(9 if dist.get_rank() == 3 else 8))
+
+def test_06_send_never_received():
+    if dist.get_rank() == 0:
+        dist.send(np.ones(1 << 20), 1)  # 8 MB: rendezvous, needs a matching receive
+
+def test_07_ok_after_hang():
+    x = np.arange(8.0)
+    dist.broadcast(x, src=3)
+    assert (dist.all_gather(x[:2]) == np.tile([0.0, 1.0], 4)).all()
+
+def test_08_leave_a_stray_message():
+    if dist.get_rank() == 0:
+        dist.send(np.full(4, 99.0), 1, tag=5)  # small: delivered eagerly, never received
+
+def test_09_fresh_communicator_sees_no_stray(monkeypatch):
+    monkeypatch.setenv("TINYTRAIN_TIMEOUT", "1")
+    if dist.get_rank() == 1:
+        with pytest.raises(dist.CommTimeout):
+            dist.recv(np.empty(4), 0, tag=5)
+'''
+
+
+def clean_env(**extra):
+    """Our environment minus what an outer mpirun set, so the inner mpirun starts afresh."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL", "MPIR_CVAR_", "TINYTRAIN_"))}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["COLUMNS"] = "400"  # keep the short summary lines whole
+    env.update(extra)
+    return env
+
+
+def run_pytest(tmp_path, source, ranks, *args, **env):
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["grader.mpi_plugin"]\n')
+    (tmp_path / "test_injected.py").write_text(textwrap.dedent(source))
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfs", *args, "test_injected.py"]
+    if ranks:
+        cmd = [shutil.which("mpirun") or "mpirun", "-n", str(ranks)] + cmd
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(**env), capture_output=True, text=True, timeout=240)
+    return proc, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not found")
+
+
+@needs_mpirun
+def test_injected_faults_end_fast_name_rank_and_operation_and_later_tests_pass(tmp_path):
+    proc, out, seconds = run_pytest(tmp_path, FAULTS, 4, TINYTRAIN_TIMEOUT="3")
+    assert proc.returncode != 0, out
+    assert out.count("test session starts") == 1, out  # only rank 0 printed
+    summary = {m.group(1): m.group(2) for m in re.finditer(r"FAILED test_injected.py::(\w+) - (.*)", out)}
+    assert set(summary) == {"test_02_rank_raises_before_collective", "test_04_different_collectives",
+                            "test_05_mismatched_shapes", "test_06_send_never_received"}, out
+    assert summary["test_02_rank_raises_before_collective"].startswith("[rank 1] RuntimeError: injected on rank 1")
+    assert "PeerFailure" in out and "rank 1 failed" in out  # the others were told, not left waiting
+    assert "rank 2 called all_gather(shape=(8,), float32" in out and "while rank 0 called all_reduce" in out
+    assert "rank 3 called all_reduce(shape=(9,)" in out and "differ in shape" in out
+    assert summary["test_06_send_never_received"].startswith("[rank 0]")
+    assert re.search(r"CommTimeout: send on group world .*timed out after 3\.\d s waiting for send to rank 1", out), out
+    assert re.search(r"4 failed, 5 passed", out), out
+    # 3 s for the one deliberate hang, plus start-up; nothing waits for a 20 s or 60 s default.
+    assert seconds < 45, f"took {seconds:.0f} s\n{out}"
+
+
+@needs_mpirun
+def test_world_size_marker_skips_with_advice_extra_ranks_sit_out_and_any_rank_can_fail_a_test(tmp_path):
+    source = '''
+    import pytest
+    from tinytrain import distributed as dist
+
+    @pytest.mark.world_size(2)
+    def test_two():
+        assert dist.get_world_size() == 2
+
+    @pytest.mark.world_size(5)
+    def test_five():
+        pass
+
+    def test_single_process():
+        assert dist.get_world_size() == 1 and dist.get_rank() == 0
+
+    @pytest.mark.world_size(3)
+    def test_only_rank_2_fails():
+        assert dist.get_rank() != 2, "rank 2 disagrees"
+    '''
+    proc, out, _ = run_pytest(tmp_path, source, 3)
+    assert proc.returncode != 0, out
+    assert "needs 5 MPI ranks: run with mpirun -n 5" in out
+    assert "FAILED test_injected.py::test_only_rank_2_fails - [rank 2] AssertionError: rank 2 disagrees" in out, out
+    assert "1 failed, 2 passed, 1 skipped" in out, out
+    proc, out, _ = run_pytest(tmp_path, source, None)  # plain pytest, one process
+    assert "needs 2 MPI ranks: run with mpirun -n 2" in out
+    assert "1 passed, 3 skipped" in out, out
+    assert proc.returncode == 0, out
