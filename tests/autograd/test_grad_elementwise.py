@@ -69,6 +69,17 @@ def test_arithmetic_with_constants(rng, op):
     gradcheck(fn, [zero_d, x], what=f"0-d tensor {op} tensor")
 
 
+def test_numpy_operand_on_the_left(rng):
+    # NumPy defers to the Tensor (no object arrays of Tensors): array op tensor is a Tensor op
+    x = T(nonzero(rng, rand_shape(rng, 2)))
+    const = nonzero(rng, x.shape[-1:])
+    for op, fn in ARITH.items():
+        out = fn(const, x)
+        assert isinstance(out, Tensor) and out.dtype == np.float64, op
+        gradcheck(lambda t: fn(const, t), [x], what=f"array {op} tensor")
+        gradcheck(lambda t: fn(np.float64(1.5), t), [x], what=f"NumPy scalar {op} tensor")
+
+
 def test_neg(rng):
     gradcheck(lambda x: -x, [T(rng.standard_normal(rand_shape(rng, 3)))])
 

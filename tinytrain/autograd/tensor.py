@@ -20,6 +20,9 @@ DEFAULT_DTYPE = xp.float32
 class Tensor:
     __slots__ = ("data", "grad", "requires_grad", "_ctx", "_hooks", "_post_accumulate_hooks", "name", "__weakref__")
     _is_param = False
+    # NumPy must not treat a Tensor as an object to broadcast: ``array * tensor`` and
+    # ``numpy.float64(2) * tensor`` then fall back to Tensor.__rmul__ instead of building an object array.
+    __array_ufunc__ = None
 
     def __init__(self, data, requires_grad: bool = False, dtype=None, name: str | None = None):
         if isinstance(data, Tensor):
