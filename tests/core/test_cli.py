@@ -1,0 +1,209 @@
+"""``tinytrain train`` / ``sample`` end to end, in-process and tiny; resume exactness; bad args."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+from tinytrain import checkpoint
+from tinytrain.cli import main
+from tinytrain.data import AdditionDataset
+
+TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--batch-size", "8", "--eval-every", "3",
+        "--eval-batches", "1", "--warmup", "2", "--quiet"]
+
+
+def train(out, *extra):
+    assert main(["train", *TINY, "--out", str(out), *extra]) == 0
+    return json.loads((out / "metrics.json").read_text())
+
+
+def test_train_writes_metrics_plot_and_checkpoint(tmp_path):
+    m = train(tmp_path, "--steps", "6")
+    assert set(m) >= {"config", "steps", "final"}
+    assert m["config"]["model"]["n_layer"] == 1 and m["config"]["model"]["n_embd"] == 32
+    assert m["config"]["args"]["steps"] == 6
+    assert [s["step"] for s in m["steps"]] == [1, 2, 3, 4, 5, 6]
+    for s in m["steps"]:
+        assert numpy.isfinite(s["loss"]) and s["loss"] > 0 and s["tokens_per_s"] > 0
+    assert {"val_loss", "eval_train_loss"} <= set(m["steps"][2]) and "val_loss" not in m["steps"][3]
+    assert {"train_loss", "val_loss"} <= set(m["final"])
+    assert all(numpy.isfinite(m["final"][k]) for k in ("train_loss", "val_loss"))
+    assert 0.0 <= m["final"]["val_accuracy"] <= 1.0
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+    _, optim_state, meta = checkpoint.load(tmp_path / "ckpt.npz")
+    assert meta["step"] == 6 and len(meta["metrics_steps"]) == 6
+    assert optim_state["state"]  # AdamW moments were saved
+
+
+def test_progress_line_shows_loss_and_throughput(tmp_path, capsys):
+    args = [a for a in TINY if a != "--quiet"]
+    assert main(["train", *args, "--steps", "3", "--out", str(tmp_path), "--no-plot"]) == 0
+    err = capsys.readouterr().err
+    assert "loss" in err and "tok/s" in err and "step 3/3" in err
+    assert not (tmp_path / "loss.png").exists()
+
+
+def final_params(out):
+    return checkpoint.load(out / "ckpt.npz")[0]
+
+
+def assert_same_run(a, b, ma, mb):
+    assert [s["loss"] for s in ma["steps"]] == [s["loss"] for s in mb["steps"]]
+    assert [s["lr"] for s in ma["steps"]] == [s["lr"] for s in mb["steps"]]
+    pa, pb = final_params(a), final_params(b)
+    assert list(pa) == list(pb)
+    for k in pa:
+        numpy.testing.assert_array_equal(pa[k], pb[k], err_msg=k)  # bitwise
+    oa, ob = checkpoint.load(a / "ckpt.npz")[1], checkpoint.load(b / "ckpt.npz")[1]
+    for i in oa["state"]:
+        for k in oa["state"][i]:
+            numpy.testing.assert_array_equal(oa["state"][i][k], ob["state"][i][k])
+    assert ma["final"] == mb["final"]
+
+
+@pytest.mark.parametrize("dropout", ["0.0", "0.1"])
+def test_resume_after_a_crash_is_exact(tmp_path, monkeypatch, dropout):
+    """A run that dies after its step-3 checkpoint and is resumed equals the uninterrupted run."""
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    common = ["--steps", "6", "--ckpt-every", "3", "--dropout", dropout, "--no-plot"]
+    ms = train(straight, *common)
+
+    real_batch = AdditionDataset.batch
+
+    def dies_at_step_4(self, split, batch_size, seed, step):
+        if split == "train" and step == 4:
+            raise KeyboardInterrupt("simulated crash at step 4")
+        return real_batch(self, split, batch_size, seed, step)
+
+    monkeypatch.setattr(AdditionDataset, "batch", dies_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train(crashed, *common)
+    monkeypatch.setattr(AdditionDataset, "batch", real_batch)
+    assert checkpoint.load(crashed / "ckpt.npz")[2]["step"] == 3
+    mr = train(crashed, *common, "--resume")
+    assert_same_run(straight, crashed, ms, mr)
+
+
+@pytest.mark.parametrize("dropout", ["0.0", "0.1"])
+def test_resume_extends_a_shorter_run_exactly(tmp_path, dropout):
+    """--steps 3, then --resume --steps 6, equals --steps 6 straight. The LR schedule spans
+    --steps, so a 3-step run decays faster than the first half of a 6-step run; a constant LR
+    (warmup 0, min-lr = lr) makes the two runs the same run."""
+    constant = ["--warmup", "0", "--lr", "3e-3", "--min-lr", "3e-3", "--dropout", dropout, "--no-plot"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    ma = train(a, "--steps", "6", *constant)
+    train(b, "--steps", "3", *constant)
+    mb = train(b, "--steps", "6", "--resume", *constant)
+    assert [s["step"] for s in mb["steps"]] == [1, 2, 3, 4, 5, 6]
+    # per-step losses and final parameters equal; the step-3 evaluation of the short run is its
+    # "final" one, so compare only what both runs did alike
+    assert [s["loss"] for s in ma["steps"]] == [s["loss"] for s in mb["steps"]]
+    pa, pb = final_params(a), final_params(b)
+    for k in pa:
+        numpy.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+    assert ma["final"] == mb["final"]
+
+
+def test_dropout_changes_the_run(tmp_path):
+    m0 = train(tmp_path / "a", "--steps", "2", "--no-plot")
+    m1 = train(tmp_path / "b", "--steps", "2", "--no-plot", "--dropout", "0.3")
+    assert m0["steps"][0]["loss"] != m1["steps"][0]["loss"]
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(tmp_path, "--steps", "3", "--resume")
+
+
+@pytest.mark.parametrize("bad,message", [
+    (["--steps", "0"], "--steps must be positive"),
+    (["--batch-size", "-1"], "--batch-size must be positive"),
+    (["--lr", "0"], "--lr must be positive"),
+    (["--steps", "3", "--warmup", "5"], "--warmup 5 is longer than --steps 3"),
+    (["--heads", "3", "--width", "32"], r"n_embd=32 is not divisible by n_head=3.*\[1, 2, 4, 8, 16, 32\]"),
+    (["--dropout", "1.0"], "dropout"),
+])
+def test_bad_arguments_raise_a_clear_value_error(tmp_path, bad, message):
+    args = [a for a in TINY]
+    with pytest.raises(ValueError, match=message):
+        main(["train", *args, "--steps", "3", "--out", str(tmp_path), *bad])
+    assert not (tmp_path / "ckpt.npz").exists()
+
+
+def test_unknown_option_exits_with_usage(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--no-such-option"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_sample_prints_a_continuation(tmp_path, capsys):
+    train(tmp_path, "--steps", "3", "--no-plot")
+    capsys.readouterr()
+    ckpt = str(tmp_path / "ckpt.npz")
+    assert main(["sample", "--ckpt", ckpt]) == 0
+    line = capsys.readouterr().out.strip()
+    ds = AdditionDataset()
+    assert len(line) == ds.seq_len and line[3] == "+" and line[7] == "="
+    assert set(line) <= set(ds.chars)
+    assert main(["sample", "--ckpt", ckpt, "--prompt", "12", "--tokens", "5"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("12") and len(out) == 7
+    # greedy sampling is deterministic
+    assert main(["sample", "--ckpt", ckpt, "--prompt", "12", "--tokens", "5"]) == 0
+    assert capsys.readouterr().out.strip() == out
+
+
+def test_train_and_sample_on_a_text_file(tmp_path, capsys):
+    rng = numpy.random.default_rng()
+    words = ["the ", "cat ", "sat ", "on ", "a ", "mat. ", "\n"]
+    text = "".join(rng.choice(words, size=600))
+    path = tmp_path / "tmp.txt"
+    path.write_text(text, encoding="utf-8")
+    out = tmp_path / "run"
+    m = train(out, "--steps", "3", "--data", str(path), "--block-size", "16", "--no-plot")
+    assert m["config"]["model"]["block_size"] == 16
+    assert m["config"]["model"]["vocab_size"] == len(set(text))
+    assert "val_accuracy" not in m["final"] and numpy.isfinite(m["final"]["val_loss"])
+    capsys.readouterr()
+    assert main(["sample", "--ckpt", str(out / "ckpt.npz"), "--prompt", "the ", "--tokens", "20"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("the ") and len(printed.rstrip("\n")) >= 24 - 2
+    assert set(printed) <= set(text) | {"\n"}
+
+
+def test_module_help_in_a_subprocess():
+    env = dict(os.environ, TINYTRAIN_DEVICE="cpu")
+    r = subprocess.run([sys.executable, "-m", "tinytrain.cli", "--help"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for command in ("train", "sample", "bench"):
+        assert command in r.stdout
+    r = subprocess.run([sys.executable, "-m", "tinytrain.cli", "train", "--help"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0 and "--resume" in r.stdout and "--data" in r.stdout
+
+
+def test_bad_arguments_in_a_subprocess_exit_nonzero_with_the_message(tmp_path):
+    env = dict(os.environ, TINYTRAIN_DEVICE="cpu")
+    r = subprocess.run([sys.executable, "-m", "tinytrain.cli", "train", "--steps", "0", "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0
+    assert "--steps must be positive, got 0" in r.stderr
+
+
+def test_loss_falls_on_the_addition_task(tmp_path):
+    m = train(tmp_path, "--steps", "40", "--layers", "1", "--width", "64", "--heads", "4", "--batch-size", "32",
+              "--lr", "1e-2", "--min-lr", "1e-3", "--warmup", "5", "--eval-every", "1000", "--eval-batches", "2",
+              "--no-plot")
+    first = m["steps"][0]["loss"]
+    assert first == pytest.approx(numpy.log(12), rel=0.1)  # starts near uniform over the vocabulary
+    assert m["final"]["val_loss"] < 0.85 * first, (first, m["final"])
+    assert m["final"]["train_loss"] < 0.85 * first
