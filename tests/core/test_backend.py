@@ -1,0 +1,82 @@
+"""backend: the device choice from TINYTRAIN_DEVICE (in subprocesses), to_host, index_add."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+from tinytrain import backend
+from tinytrain.backend import index_add, to_host, xp
+
+
+def import_backend(device):
+    env = dict(os.environ, TINYTRAIN_DEVICE=device)
+    code = "import tinytrain.backend as b; print('DEVICE', b.device, b.xp.__name__)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_bogus_device_is_a_clear_error():
+    r = import_backend("bogus")
+    assert r.returncode != 0
+    assert "BackendError" in r.stderr
+    assert "TINYTRAIN_DEVICE='bogus' is not one of cpu, gpu, auto" in r.stderr
+
+
+def test_cpu_device_uses_numpy():
+    r = import_backend(" CPU ")  # case and spaces do not matter
+    assert r.returncode == 0, r.stderr
+    assert "DEVICE cpu numpy" in r.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
+def test_gpu_without_cupy_names_the_fix():
+    r = import_backend("gpu")
+    assert r.returncode != 0
+    assert "BackendError" in r.stderr and "CuPy cannot be imported" in r.stderr
+    assert 'pip install -e ".[gpu]"' in r.stderr and "TINYTRAIN_DEVICE=cpu" in r.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
+def test_auto_without_cupy_falls_back_to_the_cpu():
+    r = import_backend("auto")
+    assert r.returncode == 0, r.stderr
+    assert "DEVICE cpu numpy" in r.stdout
+
+
+def test_to_host_gives_numpy_with_the_same_values():
+    a = xp.asarray(numpy.random.default_rng().standard_normal((3, 4)).astype(numpy.float32))
+    h = to_host(a)
+    assert isinstance(h, numpy.ndarray) and h.dtype == numpy.float32
+    numpy.testing.assert_array_equal(h, numpy.asarray(a.get() if hasattr(a, "get") else a))
+    assert isinstance(to_host([1, 2]), numpy.ndarray)
+    assert backend.is_array(a) and not backend.is_array([1, 2])
+
+
+def test_index_add_sums_repeated_indices():
+    rng = numpy.random.default_rng()
+    target = rng.standard_normal((5, 3)).astype(numpy.float32)
+    index = numpy.array([0, 2, 2, 4, 2, 0])
+    values = rng.standard_normal((6, 3)).astype(numpy.float32)
+    expected = target.astype(numpy.float64)
+    for i, v in zip(index, values):
+        expected[i] += v
+    t = xp.asarray(target.copy())
+    index_add(t, xp.asarray(index), xp.asarray(values))
+    numpy.testing.assert_allclose(to_host(t), expected, rtol=1e-6, atol=1e-6)
+    # a plain fancy-index += would keep only one of the repeats
+    naive = target.copy()
+    naive[index] += values
+    assert not numpy.allclose(naive, expected)
+
+
+def test_default_rng_is_seeded():
+    a = to_host(backend.default_rng((3, 7)).random(5))
+    b = to_host(backend.default_rng((3, 7)).random(5))
+    c = to_host(backend.default_rng((3, 8)).random(5))
+    numpy.testing.assert_array_equal(a, b)
+    assert not numpy.array_equal(a, c)
