@@ -126,7 +126,7 @@ class CharDataset:
     def batch(self, split: str, batch_size: int, seed: int, step: int):
         data = self.splits[split]
         rng = numpy.random.default_rng([seed, step, 0 if split == "train" else 1])
-        starts = rng.integers(0, len(data) - self.block_size - 1, size=batch_size)
+        starts = rng.integers(0, len(data) - self.block_size, size=batch_size)  # last start: len - block - 1
         x = numpy.stack([data[s:s + self.block_size] for s in starts])
         y = numpy.stack([data[s + 1:s + self.block_size + 1] for s in starts])
         return x, y

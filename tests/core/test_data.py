@@ -147,3 +147,29 @@ def test_load_dataset(tmp_path):
         load_dataset(str(tmp_path / "missing.txt"))
     with pytest.raises(ValueError):
         load_dataset(str(tmp_path))  # a folder is not a text file
+
+
+def test_char_dataset_smallest_allowed_file_batches_both_splits(tmp_path):
+    """A file of exactly 10·(block+1) characters passes the length check, so both splits must
+    batch: validation then holds exactly one window (it used to crash: high <= 0)."""
+    block = 16
+    rng = numpy.random.default_rng()
+    text = "".join(rng.choice(list("abcdefgh"), size=10 * (block + 1)))
+    path = tmp_path / "min.txt"
+    path.write_text(text, encoding="utf-8")
+    ds = CharDataset(str(path), block_size=block)
+    val = ds.splits["val"]
+    assert len(val) == block + 1
+    x, y = ds.batch("val", 3, seed=0, step=0)
+    for row_x, row_y in zip(x, y):  # the only window there is
+        numpy.testing.assert_array_equal(row_x, val[:block])
+        numpy.testing.assert_array_equal(row_y, val[1:])
+    # the last window of the training split is reachable too
+    train = ds.splits["train"]
+    last = len(train) - block - 1
+    for step in range(200):
+        xs, _ = ds.batch("train", 64, seed=1, step=step)
+        if any(numpy.array_equal(r, train[last:last + block]) for r in xs):
+            break
+    else:
+        pytest.fail("the last training window was never drawn")
