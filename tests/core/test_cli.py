@@ -68,11 +68,13 @@ def assert_same_run(a, b, ma, mb):
     assert ma["final"] == mb["final"]
 
 
-@pytest.mark.parametrize("dropout", ["0.0", "0.1"])
-def test_resume_after_a_crash_is_exact(tmp_path, monkeypatch, dropout):
+@pytest.mark.parametrize("extra", [
+    [], ["--dropout", "0.1"], ["--optimizer", "sgd"], ["--experts", "3", "--dropout", "0.1"],
+], ids=["plain", "dropout", "sgd", "moe"])
+def test_resume_after_a_crash_is_exact(tmp_path, monkeypatch, extra):
     """A run that dies after its step-3 checkpoint and is resumed equals the uninterrupted run."""
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    common = ["--steps", "6", "--ckpt-every", "3", "--dropout", dropout, "--no-plot"]
+    common = ["--steps", "6", "--ckpt-every", "3", "--no-plot", *extra]
     ms = train(straight, *common)
 
     real_batch = AdditionDataset.batch
@@ -115,6 +117,19 @@ def test_dropout_changes_the_run(tmp_path):
     m0 = train(tmp_path / "a", "--steps", "2", "--no-plot")
     m1 = train(tmp_path / "b", "--steps", "2", "--no-plot", "--dropout", "0.3")
     assert m0["steps"][0]["loss"] != m1["steps"][0]["loss"]
+
+
+def test_resume_at_the_last_step_does_nothing_more(tmp_path, capsys):
+    m = train(tmp_path, "--steps", "3", "--no-plot")
+    before = final_params(tmp_path)
+    args = [a for a in TINY if a != "--quiet"]
+    assert main(["train", *args, "--steps", "3", "--resume", "--no-plot", "--out", str(tmp_path)]) == 0
+    assert "nothing to do" in capsys.readouterr().err
+    again = json.loads((tmp_path / "metrics.json").read_text())
+    assert again["steps"] == m["steps"] and again["final"] == m["final"]
+    after = final_params(tmp_path)
+    for k in before:
+        numpy.testing.assert_array_equal(before[k], after[k])
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
