@@ -67,7 +67,7 @@ class Optimizer:
         self.state = {}
         for i, s in state["state"].items():
             p = self.params[int(i)]
-            self.state[p] = {k: (xp.asarray(v) if hasattr(v, "shape") and v.shape else v) for k, v in s.items()}
+            self.state[p] = {k: (xp.array(v) if hasattr(v, "shape") and v.shape else v) for k, v in s.items()}
 
 
 class SGD(Optimizer):

@@ -211,3 +211,19 @@ def test_sgd_momentum_state_round_trips():
     opt.step()
     opt2.step()
     numpy.testing.assert_array_equal(host(p), host(q))
+
+
+def test_loading_a_state_dict_does_not_alias_it():
+    """A state dict is a snapshot: stepping the optimizer that loaded it must not rewrite it."""
+    rng = numpy.random.default_rng()
+    p = param(rng.standard_normal(4))
+    opt = AdamW([p], lr=0.01)
+    p.grad = xp.asarray(rng.standard_normal(4).astype(numpy.float32))
+    opt.step()
+    saved = opt.state_dict()
+    snapshot = {k: numpy.array(v, copy=True) for k, v in saved["state"][0].items() if hasattr(v, "shape")}
+    opt.load_state_dict(saved)
+    p.grad = xp.asarray(rng.standard_normal(4).astype(numpy.float32))
+    opt.step()
+    for k, v in snapshot.items():
+        numpy.testing.assert_array_equal(saved["state"][0][k], v, err_msg=k)
