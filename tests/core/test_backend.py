@@ -55,6 +55,9 @@ def test_to_host_gives_numpy_with_the_same_values():
     numpy.testing.assert_array_equal(h, numpy.asarray(a.get() if hasattr(a, "get") else a))
     assert isinstance(to_host([1, 2]), numpy.ndarray)
     assert backend.is_array(a) and not backend.is_array([1, 2])
+    if backend.device == "cpu":
+        assert backend.select_device_for_rank(3) is None
+        backend.synchronize()  # a no-op on the CPU
 
 
 def test_index_add_sums_repeated_indices():

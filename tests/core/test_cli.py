@@ -135,6 +135,14 @@ def test_resume_at_the_last_step_does_nothing_more(tmp_path, capsys):
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(tmp_path, "--steps", "3", "--resume")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        main(["sample", "--ckpt", str(tmp_path / "ckpt.npz")])
+
+
+def test_resume_with_another_model_shape_names_the_parameter(tmp_path):
+    train(tmp_path, "--steps", "2", "--no-plot")
+    with pytest.raises(ValueError, match=r"wte.weight: checkpoint shape \(12, 32\) != model shape \(12, 64\)"):
+        train(tmp_path, "--steps", "4", "--resume", "--width", "64", "--no-plot")
 
 
 @pytest.mark.parametrize("bad,message", [
