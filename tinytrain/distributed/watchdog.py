@@ -72,8 +72,8 @@ def _oversubscribed() -> bool:
 # (a small message arrives in microseconds); when oversubscribed, the peer we wait for may need
 # *our* core to make progress, so we yield almost at once. TINYTRAIN_SPIN overrides.
 _SPIN = int(os.environ.get("TINYTRAIN_SPIN", "20" if _oversubscribed() else "2000"))
-_YIELDS = 50  # then this many sched_yield()s
-_MAX_SLEEP = 1e-3  # then sleeps doubling from 20 us up to this
+_YIELDS = int(os.environ.get("TINYTRAIN_YIELDS", "50"))  # then this many sched_yield()s
+_MAX_SLEEP = float(os.environ.get("TINYTRAIN_MAX_SLEEP", "1e-4"))  # then sleeps doubling from 20 us up to this
 _ALERT_EVERY = 64  # check the failure side channel every this many polls (always when sleeping)
 
 
