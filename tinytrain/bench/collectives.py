@@ -155,8 +155,8 @@ def run(args) -> int:
 def _overlap(comm) -> int:
     """Does an async all_reduce progress while this rank computes? Five timings, slowest rank's.
 
-    comm      all_reduce alone                compute   the matmuls alone
-    no poll   start async, compute, wait      poll      ... calling progress_all() between matmuls
+    comm      all_reduce alone                compute   the compute alone
+    no poll   start async, compute, wait      poll      ... calling progress_all() between chunks
     thread    ... with the progress thread polling in the background
     A perfect overlap takes max(comm, compute); no overlap takes comm + compute.
     """
@@ -164,11 +164,14 @@ def _overlap(comm) -> int:
     from tinytrain.distributed._mpi import MPI
 
     buf = numpy.zeros(4 << 20, dtype=numpy.float32)  # 16 MiB: many ring steps
-    a = numpy.random.default_rng(0).standard_normal((256, 256)).astype(numpy.float32)
+    # Elementwise work, not matmuls: single-threaded (BLAS threads would fight over the cores) and,
+    # like any large NumPy ufunc, it releases the GIL so a progress thread can run meanwhile.
+    a = numpy.ones(1 << 18, dtype=numpy.float32)
 
     def compute(poll=False, chunks=40):
         for _ in range(chunks):
-            a @ a
+            numpy.multiply(a, 1.0000001, out=a)
+            numpy.sqrt(a, out=a)
             if poll:
                 dist.progress_all()
 
@@ -199,7 +202,7 @@ def _overlap(comm) -> int:
     dist.stop_progress_thread()
     if comm.Get_rank() == 0:
         ideal, serial = max(t_comm, t_compute), t_comm + t_compute
-        print(f"# overlap of a 16 MiB ring all_reduce with {chunks} 256x256 matmuls, {comm.Get_size()} ranks")
+        print(f"# overlap of a 16 MiB ring all_reduce with {chunks} chunks of elementwise compute, {comm.Get_size()} ranks")
         print(f"  comm alone {t_comm * 1e3:8.1f} ms   compute alone {t_compute * 1e3:8.1f} ms   "
               f"serial sum {serial * 1e3:8.1f} ms   perfect overlap {ideal * 1e3:8.1f} ms")
         for label, t in (("async, no polling", t_none), ("async + progress_all()", t_poll),

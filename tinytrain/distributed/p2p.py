@@ -51,7 +51,7 @@ def check_buffer(tensor, what: str, writable: bool = False):
             f"strides {tuple(tensor.strides)}) is a strided view, e.g. a transpose or a slice; "
             "pass xp.ascontiguousarray(x) (and copy the result back if the call writes into it)"
         )
-    if writable and not tensor.flags.writeable:
+    if writable and not getattr(tensor.flags, "writeable", True):  # CuPy arrays have no such flag
         raise ValueError(f"{what} writes into its buffer, but this array is read-only")
     return tensor
 
