@@ -30,8 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(importlib.import_module(args._module).run(args) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except ValueError as exc:
+        # A bad setting: say what to change, without a traceback (argparse's style, exit code 2).
+        parser.exit(2, f"tinytrain {args.command}: error: {exc}\n")
 
 
 if __name__ == "__main__":

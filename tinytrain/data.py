@@ -5,7 +5,7 @@ draws the *global* batch, and a data-parallel rank takes its rows with ``shard_r
 with batch B each see exactly what one process with batch N·B sees, and a resumed run continues
 with exactly the batches it would have drawn.
 
-The addition task: ``"347+085=2340"`` is 347 + 85 = 432 with the answer written *reversed*
+The addition task (3 digits shown; the default is 2): ``"347+085=2340"`` is 347 + 85 = 432 with the answer written *reversed*
 (least significant digit first, as a person adds), a classic small-transformer task with an
 exact-match accuracy. The loss is taken on the answer digits only (the prompt's targets are set
 to ``IGNORE``), so the loss and the accuracy measure the same thing.
@@ -132,10 +132,10 @@ class CharDataset:
         return x, y
 
 
-def load_dataset(data: str | None, block_size: int | None = None):
+def load_dataset(data: str | None, block_size: int | None = None, digits: int = 2):
     """``None`` or "addition" -> the addition task; a path -> characters of that file."""
     if data in (None, "addition"):
-        return AdditionDataset()
+        return AdditionDataset(digits)
     if not Path(data).is_file():
         raise ValueError(f"--data {data!r} is neither 'addition' nor a readable text file")
     return CharDataset(data, block_size or 64)

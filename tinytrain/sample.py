@@ -54,7 +54,8 @@ def run(args) -> int:
     config = GPTConfig(**meta["model_config"])
     model = GPT(config)
     model.load_state_dict(model_state)
-    dataset = load_dataset(meta["args"].get("data"), meta["args"].get("block_size"))
+    saved = meta["args"]
+    dataset = load_dataset(saved.get("data"), saved.get("block_size"), saved.get("digits", 2))
     if args.prompt is None:
         if dataset.name == "addition":
             x, _ = dataset.batch("val", 1, seed=args.seed, step=0)

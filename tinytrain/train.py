@@ -31,6 +31,7 @@ from tinytrain.optim import SGD, AdamW, WarmupCosine, clip_grad_norm_
 def add_arguments(p: argparse.ArgumentParser) -> None:
     data = p.add_argument_group("data")
     data.add_argument("--data", default="addition", help="'addition' (built in) or a path to a text file")
+    data.add_argument("--digits", type=int, default=2, help="operand digits of the addition task")
     data.add_argument("--block-size", type=int, default=None, help="context length for text data (default 64)")
     model = p.add_argument_group("model")
     model.add_argument("--layers", type=int, default=2)
@@ -41,9 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt = p.add_argument_group("optimization")
     opt.add_argument("--steps", type=int, default=600)
     opt.add_argument("--batch-size", type=int, default=64, help="global batch (sequences per step)")
-    opt.add_argument("--lr", type=float, default=3e-3)
-    opt.add_argument("--min-lr", type=float, default=3e-4)
-    opt.add_argument("--warmup", type=int, default=30)
+    opt.add_argument("--lr", type=float, default=1e-3)
+    opt.add_argument("--min-lr", type=float, default=1e-4)
+    opt.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps, at most 30)")
     opt.add_argument("--weight-decay", type=float, default=0.01)
     opt.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
     opt.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
@@ -65,6 +66,8 @@ def check_args(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.lr <= 0:
         raise ValueError(f"--lr must be positive, got {args.lr}")
+    if args.warmup is None:
+        args.warmup = min(30, args.steps // 20)
     if args.warmup > args.steps:
         raise ValueError(f"--warmup {args.warmup} is longer than --steps {args.steps}")
 
@@ -73,6 +76,7 @@ def build(args, dataset):
     config = GPTConfig(
         vocab_size=dataset.vocab_size, block_size=dataset.block_size, n_layer=args.layers,
         n_head=args.heads, n_embd=args.width, dropout=args.dropout, n_experts=args.experts,
+        moe_top_k=min(2, args.experts) if args.experts else 2,
     )
     model = GPT(config, seed=args.seed)
     if args.optimizer == "adamw":
@@ -134,7 +138,7 @@ class Progress:
 
 def run(args) -> int:
     check_args(args)
-    dataset = load_dataset(args.data, args.block_size)
+    dataset = load_dataset(args.data, args.block_size, args.digits)
     model, optimizer, schedule = build(args, dataset)
     out = Path(args.out)
     ckpt_path = out / "ckpt.npz"
