@@ -55,7 +55,7 @@ def assert_same_on_all_ranks(x, g):
 
 
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize("algo", ["ring", "recursive_doubling", "naive", None])
+@pytest.mark.parametrize("algo", ["ring", "recursive_doubling", "halving_doubling", "naive", None])
 @pytest.mark.parametrize("op", ["sum", "avg", "max", "min", "prod"])
 def test_all_reduce_matches_mpi(algo, op):
     for g, k in subgroups():
@@ -81,7 +81,7 @@ def test_all_reduce_on_three_ranks_multidimensional():
     x = random_array(rng_for("3r"), (5, 3, 7), np.float64)
     ref = np.empty_like(x)
     dist.world().comm.Allreduce(x, ref)
-    for algo in ["ring", "recursive_doubling", "naive"]:
+    for algo in ["ring", "recursive_doubling", "halving_doubling", "naive"]:
         y = x.copy()
         dist.all_reduce(y, algo=algo)
         assert_matches(y, ref, np.float64)

@@ -25,7 +25,7 @@ def test_non_arrays_and_bad_arguments_are_rejected():
     x = np.ones(4, dtype=np.float32)
     with pytest.raises(ValueError, match="op='median' is not one of"):
         dist.all_reduce(x, op="median")
-    with pytest.raises(ValueError, match="algo='magic' is not one of ring, recursive_doubling, naive"):
+    with pytest.raises(ValueError, match="algo='magic' is not one of ring, recursive_doubling, halving_doubling, naive"):
         dist.all_reduce(x, algo="magic")
     with pytest.raises(ValueError, match="avg.*floating"):
         dist.all_reduce(np.ones(3, dtype=np.int64), op="avg")

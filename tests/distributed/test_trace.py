@@ -40,6 +40,9 @@ def test_collectives_and_p2p_record_spans_merged_on_rank_0(tracing, tmp_path):
     assert {s["rank"] for s in merged} == set(range(n))
     colls = [s for s in merged if s["cat"] == "comm" and s["name"] == "all_reduce"]
     assert len(colls) == n and all(s["args"]["algo"] == "ring" and s["args"]["group"] == "world" for s in colls)
+    for s in colls:  # the whole call: its ring neighbours and 2(n-1)/n of the 4 KiB buffer
+        assert s["args"]["peer"] == sorted({(s["rank"] - 1) % n, (s["rank"] + 1) % n})
+        assert s["args"]["bytes"] == 2 * (n - 1) * 4096 // n
     steps = [s for s in merged if s["cat"] == "comm.step" and s["name"] == "all_reduce" and s["rank"] == 0]
     assert len(steps) == 2 * (n - 1)  # one span per ring step
     assert all(s["args"]["peer"] == [n - 1, 1] and s["args"]["bytes"] == 1024 for s in steps)  # recv left, send right

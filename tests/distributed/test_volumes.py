@@ -116,3 +116,21 @@ def test_stats_are_per_group_and_debug_checks_are_not_counted_as_the_op():
     assert outer.sent(op="all_reduce") == 2 * x.nbytes
     assert outer.sent(group="dp", op="all_reduce") == x.nbytes
     assert "all_reduce" in outer.table()
+
+
+@pytest.mark.world_size(4)
+def test_halving_doubling_moves_the_ring_volume_in_fewer_steps():
+    n = dist.get_world_size()
+    x = np.ones(4 * 1000, dtype=np.float32)
+    ring = measure(lambda: dist.all_reduce(x.copy(), algo="ring"))
+    hd = measure(lambda: dist.all_reduce(x.copy(), algo="halving_doubling"))
+    assert hd.sent("all_reduce") == ring.sent("all_reduce") == 2 * (n - 1) * x.nbytes // n
+    assert hd.messages("all_reduce") == 2 * int(math.log2(n)) < ring.messages("all_reduce") == 2 * (n - 1)
+
+
+def test_default_algorithm_is_chosen_by_size():
+    from tinytrain.distributed import collectives as c
+
+    assert c.choose_all_reduce_algo(1024) == "recursive_doubling"
+    assert c.choose_all_reduce_algo(c.SMALL_MESSAGE_BYTES) == "halving_doubling"
+    assert c.choose_all_reduce_algo(c.LARGE_MESSAGE_BYTES) == "ring"

@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", nargs="+", default=None,
                         help="message sizes, e.g. 1K 64K 1M 64M (default: 1K..64M in steps of 4x)")
     parser.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES)
-    parser.add_argument("--algo", default=None, help="force the all_reduce algorithm (ring, recursive_doubling, naive)")
+    parser.add_argument("--algo", default=None, help="force the all_reduce algorithm (ring, recursive_doubling, halving_doubling, naive)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved ours/MPI rounds per size (best is kept)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     parser.add_argument("--overlap", action="store_true", help="measure compute/communication overlap instead")
@@ -114,7 +114,7 @@ def _measure(name, size, n, comm, algo, rounds):
 def run(args) -> int:
     from tinytrain import distributed as dist
     from tinytrain.distributed._mpi import MPI
-    from tinytrain.distributed.collectives import SMALL_MESSAGE_BYTES
+    from tinytrain.distributed.collectives import choose_all_reduce_algo
 
     dist.init()
     comm = MPI.COMM_WORLD
@@ -130,7 +130,7 @@ def run(args) -> int:
     for name in args.collectives:
         for size in sizes:
             ours, mpi = _measure(name, size, n, comm, args.algo, args.rounds)
-            algo = {"all_reduce": args.algo or ("recursive_doubling" if size < SMALL_MESSAGE_BYTES else "ring"),
+            algo = {"all_reduce": args.algo or choose_all_reduce_algo(max(1, size // 4) * 4),
                     "all_gather": "ring", "reduce_scatter": "ring", "all_to_all": "pairwise",
                     "broadcast": "tree"}[name]
             factor = _BUS_FACTOR[name](n)
