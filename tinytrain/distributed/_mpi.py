@@ -10,6 +10,10 @@ blocking calls busy-poll ("spin") while they wait, so a rank waiting in ``MPI_Ba
 core from the rank it is waiting for. Our own waits never block inside MPI (they poll with
 ``MPI_Test`` and sleep, see ``watchdog.py``), but the test harness and the reference collectives do
 call blocking MPI. The throttle makes MPICH's progress loop yield the core when nothing happens.
+
+Measured on 2 cores, ``mpirun -n 4 python -m pytest tests/distributed``: 12.7-14.9 s with these
+settings, 16.8-18.8 s without them (``TINYTRAIN_MPI_DEFAULTS=0``), 38 s when our own waits spin
+too (``TINYTRAIN_SPIN`` huge). The throttle without heavy yield was worse (20 s).
 """
 
 from __future__ import annotations
