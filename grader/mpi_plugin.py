@@ -65,12 +65,21 @@ def pytest_configure(config):
 
 
 def _silence(config) -> None:
-    """Point the terminal reporter of ranks > 0 at /dev/null (their outcomes reach rank 0 anyway)."""
+    """Ranks > 0 print nothing and write no report files (their outcomes reach rank 0 anyway)."""
     from _pytest.config import create_terminal_writer
 
     reporter = config.pluginmanager.getplugin("terminalreporter")
     if reporter is not None:
         reporter._tw = create_terminal_writer(config, file=open(os.devnull, "w"))
+    try:  # --junitxml: only rank 0 writes the file (all ranks would race on one path)
+        from _pytest.junitxml import xml_key
+
+        xml = config.stash.get(xml_key, None)
+        if xml is not None:
+            config.pluginmanager.unregister(xml)
+            del config.stash[xml_key]
+    except ImportError:
+        pass
 
 
 def pytest_report_header(config):
