@@ -151,12 +151,16 @@ def run(args) -> int:
 
 
 def _overlap(comm) -> int:
-    """Does an async all_reduce progress while this rank computes? Five timings, slowest rank's.
+    """Does an async all_reduce progress while this rank computes? Timings are the slowest rank's.
 
     comm      all_reduce alone                compute   the compute alone
     no poll   start async, compute, wait      poll      ... calling progress_all() between chunks
     thread    ... with the progress thread polling in the background
     A perfect overlap takes max(comm, compute); no overlap takes comm + compute.
+
+    Two kinds of compute: "cpu" (NumPy elementwise work, which needs the same cores that copy the
+    messages: with no spare core there is nothing to gain) and "gpu-like" (the CPU sleeps while a
+    device would compute, as in data parallel training on GPUs: the CPU is free to drive MPI).
     """
     from tinytrain import distributed as dist
     from tinytrain.distributed._mpi import MPI
@@ -166,12 +170,9 @@ def _overlap(comm) -> int:
     # like any large NumPy ufunc, it releases the GIL so a progress thread can run meanwhile.
     a = numpy.ones(1 << 18, dtype=numpy.float32)
 
-    def compute(poll=False, chunks=40):
-        for _ in range(chunks):
-            numpy.multiply(a, 1.0000001, out=a)
-            numpy.sqrt(a, out=a)
-            if poll:
-                dist.progress_all()
+    def cpu_chunk():
+        numpy.multiply(a, 1.0000001, out=a)
+        numpy.sqrt(a, out=a)
 
     def timed(fn, reps=3):
         best = float("inf")
@@ -183,28 +184,37 @@ def _overlap(comm) -> int:
         return best
 
     t_comm = timed(lambda: dist.all_reduce(buf, algo="ring"))
-    # size the compute to take about as long as the communication
-    t_one = timed(lambda: compute(chunks=10)) / 10
-    chunks = max(4, int(t_comm / max(t_one, 1e-6)))
-    t_compute = timed(lambda: compute(chunks=chunks))
+    t_cpu_chunk = timed(lambda: [cpu_chunk() for _ in range(20)]) / 20
+    kinds = {
+        "cpu": (cpu_chunk, max(4, int(t_comm / max(t_cpu_chunk, 1e-6)))),
+        "gpu-like": (lambda: time.sleep(t_comm / 20), 20),
+    }
+    for kind, (chunk, chunks) in kinds.items():
+        def compute(poll=False):
+            for _ in range(chunks):
+                chunk()
+                if poll:
+                    dist.progress_all()
 
-    def overlapped(poll):
-        h = dist.all_reduce(buf, algo="ring", async_op=True)
-        compute(poll=poll, chunks=chunks)
-        h.wait()
+        def overlapped(poll):
+            h = dist.all_reduce(buf, algo="ring", async_op=True)
+            compute(poll=poll)
+            h.wait()
 
-    t_none = timed(lambda: overlapped(False))
-    t_poll = timed(lambda: overlapped(True))
-    dist.start_progress_thread()
-    t_thread = timed(lambda: overlapped(False))
-    dist.stop_progress_thread()
-    if comm.Get_rank() == 0:
-        ideal, serial = max(t_comm, t_compute), t_comm + t_compute
-        print(f"# overlap of a 16 MiB ring all_reduce with {chunks} chunks of elementwise compute, {comm.Get_size()} ranks")
-        print(f"  comm alone {t_comm * 1e3:8.1f} ms   compute alone {t_compute * 1e3:8.1f} ms   "
-              f"serial sum {serial * 1e3:8.1f} ms   perfect overlap {ideal * 1e3:8.1f} ms")
-        for label, t in (("async, no polling", t_none), ("async + progress_all()", t_poll),
-                         ("async + progress thread", t_thread)):
-            hidden = (serial - t) / max(min(t_comm, t_compute), 1e-9)
-            print(f"  {label:<26}{t * 1e3:8.1f} ms   hidden: {100 * max(0.0, hidden):5.0f}% of the shorter part")
+        t_compute = timed(compute)
+        t_none = timed(lambda: overlapped(False))
+        t_poll = timed(lambda: overlapped(True))
+        dist.start_progress_thread()
+        t_thread = timed(lambda: overlapped(False))
+        dist.stop_progress_thread()
+        if comm.Get_rank() == 0:
+            ideal, serial = max(t_comm, t_compute), t_comm + t_compute
+            print(f"# overlap of a 16 MiB ring all_reduce with {chunks} chunks of {kind} compute, "
+                  f"{comm.Get_size()} ranks")
+            print(f"  comm alone {t_comm * 1e3:8.1f} ms   compute alone {t_compute * 1e3:8.1f} ms   "
+                  f"serial sum {serial * 1e3:8.1f} ms   perfect overlap {ideal * 1e3:8.1f} ms")
+            for label, t in (("async, no polling", t_none), ("async + progress_all()", t_poll),
+                             ("async + progress thread", t_thread)):
+                hidden = (serial - t) / max(min(t_comm, t_compute), 1e-9)
+                print(f"  {label:<26}{t * 1e3:8.1f} ms   hidden: {100 * max(0.0, hidden):5.0f}% of the shorter part")
     return 0
