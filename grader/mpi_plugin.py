@@ -141,14 +141,15 @@ def _log(item, reports) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """When a phase fails on this rank, tell the other ranks now (they may be waiting for us)."""
+    """When a phase ends in an exception on this rank, tell the other ranks now: they may be
+    waiting for this rank in a collective. Also for skips (``pytest.skip``, a TODO stub raising
+    NotImplementedError): the peers must not wait for their deadline either."""
     outcome = yield
-    rep = outcome.get_result()
-    if rep.failed and call.excinfo is not None:
+    if call.excinfo is not None and call.when != "teardown":
         from tinytrain.distributed import watchdog
 
         if not call.excinfo.errisinstance(watchdog.PeerFailure):
-            watchdog.report_failure(f"{item.name} ({rep.when}): {call.excinfo.exconly()[:800]}")
+            watchdog.report_failure(f"{item.name} ({call.when}): {call.excinfo.exconly()[:800]}")
 
 
 # --- agreeing on the outcome -----------------------------------------------------------------------
@@ -177,12 +178,25 @@ def _agree(item, reports, takes_part: bool) -> None:
         sends = [_ctl.isend(mine, dest=0, tag=_TAG)]
         failures = _recv(0, item)
     _poll(lambda: all(req.Test() for req in sends), item, "the outcome to be delivered")
+    if failures and all(_is_echo(f[2]) for f in failures):
+        # Only PeerFailures and no rank really failed: the rank that left first skipped (e.g. a
+        # TODO stub). The test is skipped, not failed.
+        _skip_echoes(reports)
+        return
     others = [f for f in failures if f[0] != _rank]
     if others:
         _fold(reports, others)
     for rep in reports:  # label this rank's own failures with its rank too
         if rep.failed and not isinstance(rep.longrepr, RankFailures):
             rep.longrepr = RankFailures(rep.longrepr, [])
+
+
+def _skip_echoes(reports) -> None:
+    for rep in reports:
+        if rep.failed:
+            path, lineno, _ = rep.location
+            rep.outcome = "skipped"
+            rep.longrepr = (str(path), (lineno or 0) + 1, "Skipped: another rank skipped this test first")
 
 
 def _recv(peer: int, item):

@@ -63,6 +63,11 @@ def test_08_leave_a_stray_message():
     if dist.get_rank() == 0:
         dist.send(np.full(4, 99.0), 1, tag=5)  # small: delivered eagerly, never received
 
+def test_10_one_rank_skips_before_a_collective():
+    if dist.get_rank() == 2:
+        pytest.skip("TODO 1.1 on rank 2")
+    dist.all_reduce(np.ones(4))
+
 def test_09_fresh_communicator_sees_no_stray(monkeypatch):
     monkeypatch.setenv("TINYTRAIN_TIMEOUT", "1")
     if dist.get_rank() == 1:
@@ -109,7 +114,8 @@ def test_injected_faults_end_fast_name_rank_and_operation_and_later_tests_pass(t
     assert "rank 3 called all_reduce(shape=(9,)" in out and "differ in shape" in out
     assert summary["test_06_send_never_received"].startswith("[rank 0]")
     assert re.search(r"CommTimeout: send on group world .*timed out after 3\.\d s waiting for send to rank 1", out), out
-    assert re.search(r"4 failed, 5 passed", out), out
+    assert re.search(r"4 failed, 5 passed, 1 skipped", out), out
+    assert "TODO 1.1 on rank 2" in out or "another rank skipped this test first" in out, out
     # 3 s for the one deliberate hang, plus start-up; nothing waits for a 20 s or 60 s default.
     assert seconds < 45, f"took {seconds:.0f} s\n{out}"
 
