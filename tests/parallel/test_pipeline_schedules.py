@@ -1,0 +1,79 @@
+"""Pipeline schedules on paper: bubble share and peak activations against the formulas, and the
+simulator catching schedules that cannot run. Single-process (no messages are sent)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tinytrain.parallel.pipeline import gpipe, interleaved_1f1b, make_schedule, one_f_one_b, split_layers
+from tinytrain.parallel.simulator import Action, ScheduleError, bubble_formula, simulate, validate
+
+rng = np.random.default_rng()
+SHAPES = [(1, 1), (1, 5), (2, 1), (2, 2), (3, 7), (4, 4), (4, 8)] + [
+    (int(rng.integers(2, 7)), int(rng.integers(1, 17))) for _ in range(4)]
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_bubble_share_matches_formula(name, p, m):
+    # unequal forward/backward costs: the share does not depend on their ratio
+    cost_f, cost_b = float(rng.uniform(0.5, 2)), float(rng.uniform(0.5, 3))
+    t = simulate(make_schedule(name, p, m), cost_f, cost_b)
+    assert t.bubble_share == pytest.approx((p - 1) / (m + p - 1), abs=1e-9)
+    assert t.makespan == pytest.approx((m + p - 1) * (cost_f + cost_b))
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_peak_activations_gpipe_holds_all_1f1b_at_most_p(p, m):
+    assert simulate(gpipe(p, m)).peak_activations == [m] * p
+    peaks = simulate(one_f_one_b(p, m)).peak_activations
+    assert peaks == [min(p - s, m) for s in range(p)]  # stage s holds p - s: never more than p
+
+
+@pytest.mark.parametrize("p,k,v", [(2, 1, 2), (2, 3, 3), (4, 1, 2), (4, 2, 2), (4, 4, 4), (3, 2, 2)])
+def test_interleaving_divides_the_bubble(p, k, v):
+    m = p * k
+    t = simulate(interleaved_1f1b(p, m, v), chunks=v)
+    assert t.bubble_share == pytest.approx(bubble_formula(p, m, v), abs=1e-9)
+    assert bubble_formula(p, m, v) == pytest.approx((p - 1) / (v * m + p - 1))
+    if p > 1:
+        assert t.bubble_share < simulate(one_f_one_b(p, m)).bubble_share
+
+
+def test_every_pass_runs_once_and_in_order():
+    for sched, chunks in [(gpipe(3, 4), 1), (one_f_one_b(3, 4), 1), (interleaved_1f1b(3, 6, 2), 2)]:
+        validate(sched, chunks)
+        for actions in sched:
+            assert len(actions) == len(set(actions)) == 2 * (len(actions) // 2)
+
+
+def test_backward_before_forward_is_refused():
+    with pytest.raises(ScheduleError, match="stage 1 runs B0 before F0"):
+        simulate([[Action("F", 0), Action("B", 0)], [Action("B", 0), Action("F", 0)]])
+
+
+def test_deadlock_is_found_and_explained():
+    # stage 1 wants F1 first, but stage 0 sends F1 only after B0, which needs stage 1's B0: a cycle
+    bad = [[Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+           [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)]]
+    with pytest.raises(ScheduleError, match="deadlocks: stage 0 at B0 waits for B0 of virtual stage 1"):
+        simulate(bad)
+
+
+def test_bad_schedule_requests_are_clear_errors():
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        interleaved_1f1b(4, 6, 2)
+    with pytest.raises(ValueError, match="needs --schedule interleaved"):
+        make_schedule("1f1b", 2, 4, chunks=2)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        make_schedule("zigzag", 2, 4)
+    with pytest.raises(ValueError, match="one would be empty"):
+        split_layers(3, 2, 2)
+
+
+def test_split_layers_is_even_and_complete():
+    for n, p, v in [(8, 4, 2), (7, 3, 1), (5, 2, 2), (4, 4, 1)]:
+        parts = split_layers(n, p, v)
+        assert [i for r in parts for i in r] == list(range(n))
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1

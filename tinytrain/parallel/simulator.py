@@ -1,0 +1,132 @@
+"""Pipeline schedules on paper: the ``Action`` a schedule is made of, and a simulator.
+
+A schedule is ``list[list[Action]]``, one ordered list per stage (see ``pipeline.py`` for the
+schedules themselves and the picture). Which messages an action implies follows from the model
+order: chunk c of stage s is *virtual stage* ``c·p + s``; the forward of virtual stage k receives
+from k-1 and sends to k+1, the backward the reverse.
+
+``simulate`` plays a schedule with given costs, finds deadlocks and backward-before-forward
+mistakes, and measures the bubble share and the activations each stage holds, so a schedule can
+be checked and drawn before a single message is sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F" or "B"
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self):
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+class ScheduleError(ValueError):
+    """The schedule cannot run: it deadlocks, or runs a backward before its forward."""
+
+
+@dataclass
+class Timeline:
+    stages: int
+    chunks: int
+    events: list  # (stage, Action, start, end)
+    makespan: float
+    bubble_share: float
+    peak_activations: list  # per stage: most micro-batch chunks held at once
+
+    def busy(self, stage: int) -> float:
+        return sum(e - s for st, _, s, e in self.events if st == stage)
+
+
+def _virtual(stage: int, action: Action, stages: int) -> int:
+    return action.chunk * stages + stage
+
+
+def _dependency(stage, action, stages, n_virtual):
+    """The pass (virtual stage, kind, micro-batch) that must finish first, or None."""
+    k = _virtual(stage, action, stages)
+    if action.kind == "F":
+        return (k - 1, "F", action.microbatch) if k > 0 else None
+    if k < n_virtual - 1:
+        return (k + 1, "B", action.microbatch)
+    return (k, "F", action.microbatch)  # the last stage turns its own forward around
+
+
+def validate(schedule, chunks: int = 1) -> None:
+    """Every pass appears once, and a stage runs B of a micro-batch chunk after its F."""
+    stages = len(schedule)
+    for s, actions in enumerate(schedule):
+        seen = set()
+        for a in actions:
+            if a in seen:
+                raise ScheduleError(f"stage {s} runs {a} twice")
+            if a.kind == "B" and Action("F", a.microbatch, a.chunk) not in seen:
+                raise ScheduleError(f"stage {s} runs {a} before F{a.microbatch}" + (f".{a.chunk}" if a.chunk else ""))
+            if not 0 <= a.chunk < chunks:
+                raise ScheduleError(f"stage {s}: {a} names chunk {a.chunk}, but there are {chunks} chunks")
+            seen.add(a)
+    forwards = [{(a.microbatch, a.chunk) for a in actions if a.kind == "F"} for actions in schedule]
+    if any(f != forwards[0] for f in forwards):
+        raise ScheduleError("stages run different sets of micro-batches")
+    del stages
+
+
+def simulate(schedule, forward_cost: float = 1.0, backward_cost: float = 2.0, comm_cost: float = 0.0,
+             chunks: int = 1) -> Timeline:
+    """Play ``schedule`` with per-pass costs (a chunk's pass costs 1/chunks of a stage's).
+
+    Each stage runs its actions in order, each as soon as the stage is free and the pass it
+    depends on has finished (plus ``comm_cost`` when that pass ran on another stage). Sends never
+    block (as with ``isend``), so a schedule deadlocks only if its waits form a cycle.
+    """
+    validate(schedule, chunks)
+    stages = len(schedule)
+    n_virtual = stages * chunks
+    cost = {"F": forward_cost / chunks, "B": backward_cost / chunks}
+    done: dict = {}  # (virtual stage, kind, microbatch) -> finish time
+    position = [0] * stages
+    free_at = [0.0] * stages
+    held, peak = [0] * stages, [0] * stages
+    events = []
+    remaining = sum(len(a) for a in schedule)
+    while remaining:
+        progressed = False
+        for s in range(stages):
+            while position[s] < len(schedule[s]):
+                a = schedule[s][position[s]]
+                dep = _dependency(s, a, stages, n_virtual)
+                if dep is not None and dep not in done:
+                    break
+                ready = 0.0 if dep is None else done[dep] + (comm_cost if dep[0] % stages != s else 0.0)
+                start = max(free_at[s], ready)
+                end = start + cost[a.kind]
+                done[(_virtual(s, a, stages), a.kind, a.microbatch)] = end
+                free_at[s] = end
+                events.append((s, a, start, end))
+                held[s] += 1 if a.kind == "F" else -1
+                peak[s] = max(peak[s], held[s])
+                position[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            waiting = [f"stage {s} at {schedule[s][position[s]]} waits for "
+                       f"{_describe(_dependency(s, schedule[s][position[s]], stages, n_virtual), stages)}"
+                       for s in range(stages) if position[s] < len(schedule[s])]
+            raise ScheduleError("the schedule deadlocks: " + "; ".join(waiting))
+    makespan = max(free_at)
+    busy = sum(e - st for _, _, st, e in events)
+    return Timeline(stages, chunks, events, makespan, 1.0 - busy / (stages * makespan), peak)
+
+
+def _describe(dep, stages):
+    k, kind, mb = dep
+    return f"{kind}{mb} of virtual stage {k} (stage {k % stages}, chunk {k // stages})"
+
+
+def bubble_formula(stages: int, microbatches: int, chunks: int = 1) -> float:
+    """The textbook bubble share (p-1)/(v·m + p-1) for equal-cost passes and free messages."""
+    return (stages - 1) / (chunks * microbatches + stages - 1)
