@@ -1,0 +1,97 @@
+"""Refuse an assignment file that borrows the solution instead of writing it.
+
+An assignment replaces a reference module. If it imports that module (or the names the package
+re-exports from it, or reaches it by ``importlib``), or calls MPI's own collectives, it could pass
+every graded test without containing a collective of its own. This check reads the file's syntax
+tree (nothing is imported or run) and says what to remove.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from .config import ROOT, Assignment
+
+# mpi4py's collectives (the upper-case, buffer-based ones and the lower-case pickle-based ones
+# whose names differ from ours). Point-to-point calls (Isend, Irecv, Sendrecv, ...) are allowed.
+MPI_COLLECTIVES = {
+    "Allreduce", "Iallreduce", "Reduce", "Ireduce", "Reduce_scatter", "Reduce_scatter_block",
+    "Ireduce_scatter", "Ireduce_scatter_block", "Allgather", "Allgatherv", "Iallgather",
+    "Iallgatherv", "Alltoall", "Alltoallv", "Alltoallw", "Ialltoall", "Ialltoallv", "Bcast", "Ibcast",
+    "Gather", "Gatherv", "Scatter", "Scatterv", "allreduce", "allgather", "alltoall", "bcast",
+}
+
+
+class Refused(Exception):
+    """The assignment file may not be graded; the message says why and what to change."""
+
+
+def _defined_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def problems(a: Assignment, root: Path = ROOT, path: Path | None = None) -> list[str]:
+    """What in the assignment file reaches the reference solution, one line each ("" if nothing)."""
+    path = path or root / a.file
+    ref_mod = a.reference_module
+    package, _, leaf = ref_mod.rpartition(".")
+    reexported = _defined_names(ast.parse((root / a.reference).read_text())) - {"annotations"}
+    tree = ast.parse(path.read_text(), str(path))
+    found, aliases = [], set()  # aliases: local names bound to the package (e.g. `dist`)
+    # Comparing with the name is fine (`__name__ == "tinytrain.distributed.collectives"`).
+    compared = {id(n) for c in ast.walk(tree) if isinstance(c, ast.Compare) for n in [c.left, *c.comparators]}
+
+    def bad(node, what):
+        found.append(f"{path.name}:{node.lineno}: {what}")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for al in node.names:
+                if al.name == ref_mod or al.name.startswith(ref_mod + "."):
+                    bad(node, f"imports {ref_mod}, the reference this assignment replaces")
+                elif al.name == package:
+                    aliases.add(al.asname or al.name)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            mod = node.module or ""
+            if mod == ref_mod or mod.startswith(ref_mod + "."):
+                bad(node, f"imports from {ref_mod}, the reference this assignment replaces")
+            elif mod == package:
+                for al in node.names:
+                    if al.name == leaf:
+                        bad(node, f"imports {ref_mod}, the reference this assignment replaces")
+                    elif al.name in reexported:
+                        bad(node, f"imports {al.name} from {package}, which is the reference's {al.name}")
+            elif package.startswith(mod + ".") or package == mod:
+                for al in node.names:
+                    if ".".join(filter(None, [mod, al.name])) == package:
+                        aliases.add(al.asname or al.name)
+        elif (isinstance(node, ast.Constant) and node.value in (ref_mod, a.reference)
+              and id(node) not in compared):
+            bad(node, f"names the reference module {node.value!r} (to import it by name?)")
+        elif isinstance(node, ast.Attribute) and node.attr in MPI_COLLECTIVES:
+            bad(node, f"calls MPI's own collective .{node.attr}(); write it from point-to-point messages")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases and (node.attr == leaf or node.attr in reexported)):
+            bad(node, f"uses {node.value.id}.{node.attr} from {package}, which is the reference's")
+    return sorted(set(found), key=lambda s: int(s.split(":")[1]))
+
+
+def check(a: Assignment, root: Path = ROOT, path: Path | None = None) -> None:
+    """Raise :class:`Refused` naming every offending line."""
+    found = problems(a, root, path)
+    if found:
+        raise Refused(refusal(a, found))
+
+
+def refusal(a: Assignment, found: list[str]) -> str:
+    lines = "\n  ".join(found)
+    return (f"refusing to grade {a.file}: it must contain its own implementation, but\n  {lines}\n"
+            "Remove these and use only point-to-point messages (c.exchange(...), tinytrain.distributed.p2p).")
