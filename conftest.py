@@ -4,4 +4,4 @@
 reported once by rank 0.
 """
 
-pytest_plugins = ["grader.mpi_plugin"]
+pytest_plugins = ["grader.mpi_plugin", "grader.impl_plugin"]

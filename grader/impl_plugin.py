@@ -1,0 +1,233 @@
+"""pytest plugin for graded tests: the ``impl`` fixture, TODO-as-skip, task markers, results log.
+
+Loaded by the root ``conftest.py`` next to the MPI harness (``grader/mpi_plugin.py``).
+
+* ``impl`` -- a graded test asks for it and gets the code under test from it::
+
+      @pytest.mark.task("1.1")
+      def test_reduce_scatter(impl):
+          out = impl.collectives.reduce_scatter(x)
+
+  ``impl.collectives`` is the reference module (``tinytrain.distributed.collectives``) or the
+  student's assignment file (``assignments/a1_collectives.py``); the test runs once for each,
+  as ``--impl reference|assignments|all`` says (default ``all``; ``assignments`` in a student
+  release). Names come from ``grader/rubric.toml`` (``name = "collectives"``).
+* **TODO is a skip.** A stub raises ``NotImplementedError("TODO 1.1: ...")``; the test is then
+  reported as skipped with that reason (0 points), not as a crash. Every rank runs the same stub,
+  so every rank skips, and the harness (which only forwards failures) agrees.
+* ``@pytest.mark.task("1.3")`` names the task a test grades; an id missing from the rubric is a
+  usage error. ``--tasks 1.*`` keeps only the graded tests of matching tasks.
+* ``--grader-log FILE`` -- rank 0 appends one JSON line per event (collected, start, done with the
+  agreed outcome): how ``python -m grader`` follows a run and survives a crash in it.
+* ``--assignments DIR`` -- load assignment files from DIR instead of ``assignments/`` (the
+  grader's own tests grade planted-bug copies this way).
+* In a student release, the tests of reference solutions that were removed
+  (``reference_tests`` in the rubric) are skipped.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from .config import ROOT, is_release, load_rubric
+from . import guard
+
+_rubric = load_rubric()
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("tinytrain grader")
+    g.addoption("--impl", choices=("reference", "assignments", "all"), default=None,
+                help="code graded tests run against (default: all; assignments in a student release)")
+    g.addoption("--assignments", metavar="DIR", default=None,
+                help="load assignment files from DIR instead of the repository's assignments/")
+    g.addoption("--tasks", metavar="PATTERNS", default=None,
+                help="run only graded tests of these tasks, comma-separated globs: 1.*,2.3")
+    g.addoption("--grader-log", metavar="FILE", default=None,
+                help="rank 0 appends JSON lines with each test's agreed outcome (used by python -m grader)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "task(id): the assignment task a graded test belongs to")
+
+
+def impl_kinds(config) -> list[str]:
+    choice = config.getoption("--impl") or ("assignments" if is_release() else "all")
+    return ["reference", "assignments"] if choice == "all" else [choice]
+
+
+# --- the impl fixture ------------------------------------------------------------------------------
+
+
+class Impl:
+    """The implementations a graded test runs against: ``impl.collectives`` is a module."""
+
+    _cache: dict[tuple[str, str], object] = {}
+
+    def __init__(self, kind: str, assignments_dir: str | None):
+        self.kind, self._dir = kind, assignments_dir
+
+    def __repr__(self) -> str:
+        return f"<impl {self.kind}>"
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        a = _rubric.by_name(name)
+        key = (self.kind, self._dir or "")
+        if (key, name) not in self._cache:
+            self._cache[(key, name)] = self._load(a)
+        return self._cache[(key, name)]
+
+    def _load(self, a):
+        if self.kind == "reference":
+            return importlib.import_module(a.reference_module)
+        path = Path(self._dir) / Path(a.file).name if self._dir else ROOT / a.file
+        if not path.exists():
+            pytest.fail(f"{path} does not exist; run `python -m grader stubs` to generate it", pytrace=False)
+        refused = guard.problems(a, path=path)
+        if refused:
+            pytest.fail(guard.refusal(a, refused), pytrace=False)
+        if not self._dir:
+            return importlib.import_module(a.module)
+        name = f"_graded_{a.name}_{abs(hash(str(path)))}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+
+def pytest_generate_tests(metafunc):
+    if "impl" in metafunc.fixturenames:
+        metafunc.parametrize("impl", impl_kinds(metafunc.config), indirect=True)
+
+
+@pytest.fixture
+def impl(request):
+    return Impl(request.param, request.config.getoption("--assignments"))
+
+
+# --- selection: task markers, --tasks, reference tests in a release --------------------------------
+
+
+def task_of(item) -> str | None:
+    marker = item.get_closest_marker("task")
+    return str(marker.args[0]) if marker and marker.args else None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        task = task_of(item)
+        if item.get_closest_marker("task") and task not in _rubric.tasks:
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.task({task!r}) is not a task in grader/rubric.toml")
+    patterns = [p for p in (config.getoption("--tasks") or "").split(",") if p]
+    if patterns:
+        keep = [i for i in items if task_of(i) and any(fnmatch.fnmatchcase(task_of(i), p) for p in patterns)]
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
+    if is_release():
+        removed = {p: a for a in _rubric.assignments.values() for p in a.reference_tests}
+        for item in items:
+            for prefix, a in removed.items():
+                if item.nodeid.startswith(prefix):
+                    item.add_marker(pytest.mark.skip(
+                        reason=f"tests the reference solution of assignment {a.id}, which this student "
+                               f"copy does not contain; grade your {a.file} with python -m grader"))
+
+
+# --- NotImplementedError("TODO ...") is a skip -----------------------------------------------------
+
+
+def todo_message(excinfo) -> str | None:
+    """The TODO message if the test stopped at a stub, else None."""
+    if excinfo is None or not excinfo.errisinstance(NotImplementedError):
+        return None
+    message = str(excinfo.value)
+    return message if message.startswith("TODO") else None
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_makereport(item, call):
+    """Turn a stub's NotImplementedError into a skip, before the harness sees a failure."""
+    outcome = yield
+    rep = outcome.get_result()
+    todo = todo_message(call.excinfo)
+    if rep.failed and todo:
+        task = task_of(item)
+        reason = todo if not task or todo.startswith(f"TODO {task}:") else f"{todo} (needed by task {task})"
+        rep.outcome = "skipped"
+        rep.longrepr = (str(item.path), item.location[1] or 0, reason)
+
+
+# --- the results log for python -m grader ----------------------------------------------------------
+
+
+class _Log:
+    def __init__(self, path: str):
+        self.file = open(path, "a", buffering=1)
+        self.reports: dict[str, list] = {}
+
+    def write(self, **event) -> None:
+        self.file.write(json.dumps(event) + "\n")
+        self.file.flush()
+
+
+_log: _Log | None = None
+
+
+def _rank() -> int:
+    from tinytrain.distributed._mpi import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    global _log
+    path = session.config.getoption("--grader-log")
+    if path and _rank() == 0:
+        _log = _Log(path)
+        _log.write(event="collected", tests=[{"nodeid": i.nodeid, "task": task_of(i)} for i in session.items])
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _log:
+        _log.reports[nodeid] = []
+        _log.write(event="start", nodeid=nodeid)
+
+
+def pytest_runtest_logreport(report):
+    if _log and report.nodeid in _log.reports:
+        _log.reports[report.nodeid].append(report)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if _log:
+        outcome, message, text = summarize(_log.reports.pop(nodeid, []))
+        _log.write(event="done", nodeid=nodeid, outcome=outcome, message=message, output=text)
+
+
+def summarize(reports) -> tuple[str, str, str]:
+    """(passed|failed|todo|skipped, first line of what went wrong, full text) of one test."""
+    for rep in reports:
+        if rep.failed:
+            crash = getattr(rep.longrepr, "reprcrash", None)
+            message = crash.message if crash is not None else str(rep.longrepr).strip().splitlines()[-1:]
+            if isinstance(message, list):
+                message = message[0] if message else "failed"
+            when = "" if rep.when == "call" else f" (in {rep.when})"
+            return "failed", message + when, str(rep.longrepr)[-8000:]
+    for rep in reports:
+        if rep.skipped:
+            reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+            reason = reason.removeprefix("Skipped: ")
+            return ("todo" if reason.startswith("TODO") else "skipped"), reason, reason
+    return "passed", "", ""
