@@ -1,0 +1,122 @@
+"""``python -m grader``: grade the assignments, regenerate stubs, or make a student release.
+
+    python -m grader                         # grade assignments/ on 4 ranks, print the score table
+    python -m grader --tasks 1.1 1.3         # only some tasks (globs: 1.*)
+    python -m grader --impl reference        # the reference must score full marks
+    python -m grader --out results/          # where results.json and junit.xml go (default: .)
+    python -m grader stubs [--check]         # regenerate assignments/ from the reference markers
+    python -m grader release OUT             # a solution-free copy of the repository for students
+
+Grading exits 0 whenever it ran (a low score is not an error); 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from . import guard, report
+from .config import load_rubric
+from .run import RunOptions, run_tests
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m grader", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=4, help="MPI ranks to grade with (default 4)")
+    p.add_argument("--tasks", nargs="+", metavar="PATTERN", help="tasks to grade, e.g. 1.* or 1.2 1.3 (default: all)")
+    p.add_argument("--impl", choices=("assignments", "reference"), default="assignments",
+                   help="grade your assignment files (default) or the reference solution")
+    p.add_argument("--assignments", metavar="DIR", help="grade the assignment files in DIR instead of assignments/")
+    p.add_argument("--out", metavar="DIR", default=".", help="where results.json and junit.xml go (default: .)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds without a finished test before a run counts as hung (default 60)")
+    p.add_argument("--comm-timeout", type=float, default=10.0,
+                   help="seconds any single communication may wait (TINYTRAIN_TIMEOUT, default 10)")
+    sub = p.add_subparsers(dest="command", metavar="{stubs,release}")
+    s = sub.add_parser("stubs", help="regenerate assignments/ from the solution markers in the reference")
+    s.add_argument("--check", action="store_true", help="only check: exit 1 with a diff when assignments/ is stale")
+    r = sub.add_parser("release", help="write a solution-free copy of the repository for students")
+    r.add_argument("out", metavar="OUT", help="folder to create (must not exist)")
+    return p
+
+
+class Progress:
+    """One line that updates in place on a terminal (one line per test otherwise)."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream, self.tty = stream, stream.isatty()
+
+    def __call__(self, done: int, total: int, result) -> None:
+        name = result.nodeid.split("::")[-1]
+        line = f"[{done}/{total}] task {result.task} {name}: {result.outcome}"
+        if self.tty:
+            self.stream.write("\r\033[K" + line[:120])
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+def grade(args) -> int:
+    rubric = load_rubric()
+    try:
+        tasks = rubric.select(args.tasks)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    problems, runnable = [], []
+    refused: dict[str, str] = {}
+    if args.impl == "assignments":
+        for a in {t.assignment for t in tasks}:
+            path = Path(args.assignments) / Path(rubric.assignments[a].file).name if args.assignments else None
+            try:
+                guard.check(rubric.assignments[a], path=path)
+            except guard.Refused as exc:
+                refused[a] = str(exc)
+                print(exc, file=sys.stderr)
+    runnable = [t for t in tasks if t.assignment not in refused]
+
+    progress = Progress()
+    start = time.monotonic()
+    print(f"grading {len(runnable)} task(s) of {args.impl} on {args.ranks} ranks ...", file=sys.stderr)
+    results = []
+    if runnable:
+        opts = RunOptions(ranks=args.ranks, impl=args.impl, tasks=[t.id for t in runnable],
+                          assignments=args.assignments, timeout=args.timeout,
+                          comm_timeout=args.comm_timeout, progress=progress)
+        results, problems = run_tests(opts)
+    progress.close()
+    scores = report.score_tasks(tasks, results, problems)
+    for s in scores:
+        if s.task.assignment in refused:
+            s.reason = refused[s.task.assignment].splitlines()[0] + " (see above)"
+    print(report.table(scores))
+    for p in problems:
+        print(f"\nproblem: {p}")
+    res, junit = report.write_results(scores, Path(args.out), problems + list(refused.values()))
+    print(f"\n{time.monotonic() - start:.0f} s; wrote {res} and {junit}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "stubs":
+        from .stubs import main as stubs_main
+
+        return stubs_main(check=args.check)
+    if args.command == "release":
+        from .release import main as release_main
+
+        return release_main(args.out)
+    return grade(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

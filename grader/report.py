@@ -1,0 +1,128 @@
+"""From test outcomes to task scores: the table, Gradescope's ``results.json``, JUnit XML.
+
+A task scores its points only if every one of its tests passed (on every rank: the harness has
+already agreed on each test's outcome). Its status is
+
+* PASS -- all its tests passed;
+* TODO -- every test stopped at a stub (``NotImplementedError("TODO ...")``);
+* FAIL -- anything else; the first thing that went wrong is shown in words, with its rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Task
+from .run import TestResult
+
+
+@dataclass
+class TaskScore:
+    task: Task
+    status: str  # PASS | FAIL | TODO
+    score: float
+    reason: str  # one line: why it did not pass ("" when it did)
+    tests: list[TestResult]
+
+
+def _short(message: str) -> str:
+    """The first line of a failure, without pytest's exception-class noise."""
+    line = message.strip().splitlines()[0] if message.strip() else "failed"
+    line = re.sub(r"^(\[rank \d+\] )?(AssertionError|Failed): ", r"\1", line)
+    return re.sub(r"^\[rank (\d+)\] (rank \1: )", r"\2", line)  # "[rank 2] rank 2: ..." says it twice
+
+
+def _name(result: TestResult) -> str:
+    """test_x[assignments] -> test_x (the table is about one implementation anyway)."""
+    return result.nodeid.split("::")[-1].split("[")[0]
+
+
+def score_tasks(tasks: list[Task], results: list[TestResult], problems: list[str]) -> list[TaskScore]:
+    scores = []
+    for task in tasks:
+        mine = [r for r in results if r.task == task.id]
+        failed = [r for r in mine if r.outcome == "failed"]
+        todo = [r for r in mine if r.outcome == "todo"]
+        if mine and all(r.outcome == "passed" for r in mine):
+            scores.append(TaskScore(task, "PASS", task.points, "", mine))
+        elif failed:
+            first = failed[0]
+            scores.append(TaskScore(task, "FAIL", 0.0, f"{_name(first)}: {_short(first.message)}", mine))
+        elif todo and len(todo) == len(mine):
+            scores.append(TaskScore(task, "TODO", 0.0, todo[0].message, mine))
+        elif mine:
+            odd = next(r for r in mine if r.outcome != "passed")
+            scores.append(TaskScore(task, "FAIL", 0.0, f"{_name(odd)} {odd.outcome}: {odd.message}", mine))
+        else:
+            why = problems[0].splitlines()[0] if problems else "no graded test for this task ran"
+            scores.append(TaskScore(task, "FAIL", 0.0, why, mine))
+    return scores
+
+
+def table(scores: list[TaskScore], width: int = 100) -> str:
+    rows = [f"{'task':<5} {'title':<48} {'points':>9}  result"]
+    for s in scores:
+        pts = f"{s.score:g}/{s.task.points:g}"
+        rows.append(f"{s.task.id:<5} {s.task.title[:48]:<48} {pts:>9}  {s.status}")
+        if s.reason:
+            rows += textwrap.wrap(s.reason, width, initial_indent=" " * 6, subsequent_indent=" " * 8,
+                                  max_lines=4, break_on_hyphens=False)
+    total, most = sum(s.score for s in scores), sum(s.task.points for s in scores)
+    rows.append(f"{'':<5} {'total':<48} {f'{total:g}/{most:g}':>9}")
+    return "\n".join(rows)
+
+
+def _output(s: TaskScore) -> str:
+    lines = [f"{s.status}: {s.reason}" if s.reason else "PASS"]
+    for r in s.tests:
+        lines.append(f"  {r.outcome.upper():<7} {r.nodeid}" + (f"\n          {r.message}" if r.message else ""))
+    failed = next((r for r in s.tests if r.outcome == "failed"), None)
+    if failed is not None:
+        lines += ["", f"First failure in full ({failed.nodeid}):", failed.output]
+    return "\n".join(lines)
+
+
+def write_results(scores: list[TaskScore], out_dir: Path, problems: list[str]) -> tuple[Path, Path]:
+    """``results.json`` (Gradescope's format) and ``junit.xml`` in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gradescope = {
+        "score": sum(s.score for s in scores),
+        "max_score": sum(s.task.points for s in scores),
+        "output": "\n\n".join(problems) if problems else "",
+        "tests": [
+            {
+                "name": f"{s.task.id} {s.task.title}",
+                "number": s.task.id,
+                "score": s.score,
+                "max_score": s.task.points,
+                "status": "passed" if s.status == "PASS" else "failed",
+                "output": _output(s),
+            }
+            for s in scores
+        ],
+    }
+    results = out_dir / "results.json"
+    results.write_text(json.dumps(gradescope, indent=2) + "\n")
+
+    suite = ET.Element("testsuite", name="tinytrain grader", tests=str(sum(len(s.tests) for s in scores)),
+                       failures=str(sum(r.outcome == "failed" for s in scores for r in s.tests)),
+                       skipped=str(sum(r.outcome in ("todo", "skipped") for s in scores for r in s.tests)))
+    for s in scores:
+        for r in s.tests:
+            path, _, name = r.nodeid.rpartition("::")
+            case = ET.SubElement(suite, "testcase", classname=f"task {s.task.id}: {path}", name=name,
+                                 time=f"{r.seconds:.3f}")
+            if r.outcome == "failed":
+                ET.SubElement(case, "failure", message=r.message[:500]).text = r.output
+            elif r.outcome in ("todo", "skipped"):
+                ET.SubElement(case, "skipped", message=r.message[:500])
+    junit = out_dir / "junit.xml"
+    root = ET.Element("testsuites", name="tinytrain")
+    root.append(suite)
+    ET.ElementTree(root).write(junit, encoding="unicode", xml_declaration=True)
+    return results, junit
