@@ -28,3 +28,90 @@ def plot_loss_curve(metrics: dict, path, title: str | None = None) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline schedules: Gantt charts and activation memory
+#
+# A pipeline event is a tuple (stage, kind, microbatch, chunk, start, end) with kind "F" or "B";
+# simulator timelines give them with ``Timeline.rows()``, real runs with ``pipeline_events(spans)``.
+
+
+def pipeline_events(spans: list) -> list:
+    """Pipeline events from trace spans (``cat`` "forward"/"backward"), start times from 0 in ms."""
+    rows = [s for s in spans if s["cat"] in ("forward", "backward")]
+    if not rows:
+        raise ValueError("the trace has no forward/backward spans: was it recorded with tracing on?")
+    t0 = min(s["start"] for s in rows)
+    return [(s["rank"], "F" if s["cat"] == "forward" else "B", s["args"]["microbatch"], s["args"].get("chunk", 0),
+             (s["start"] - t0) / 1e3, (s["end"] - t0) / 1e3) for s in rows]
+
+
+def bubble_share(events: list) -> float:
+    """Idle time over total time, from the first start to the last end over all stages."""
+    stages = {e[0] for e in events}
+    start, end = min(e[4] for e in events), max(e[5] for e in events)
+    busy = sum(e[5] - e[4] for e in events)
+    return 1.0 - busy / (len(stages) * (end - start))
+
+
+def plot_pipeline(events: list, ax=None, title: str | None = None, formula: float | None = None, path=None):
+    """A Gantt chart: one row per stage, forward (solid) and backward (hatched) blocks coloured by
+    micro-batch and labelled ``F3`` / ``B3`` (``.c`` for chunk c), white gaps are the bubbles."""
+    own = ax is None
+    if own:
+        fig, ax = plt.subplots(figsize=(10, 0.6 * (1 + len({e[0] for e in events})) + 0.8), dpi=120)
+    n_mb = 1 + max(e[2] for e in events)
+    colours = plt.get_cmap("tab20" if n_mb > 10 else "tab10")
+    for stage, kind, mb, chunk, start, end in events:
+        ax.barh(stage, end - start, left=start, height=0.8, color=colours(mb % colours.N),
+                alpha=1.0 if kind == "F" else 0.55, hatch=None if kind == "F" else "//",
+                edgecolor="black", linewidth=0.4)
+        label = f"{kind}{mb}" + (f".{chunk}" if chunk else "")
+        if end - start > 0.02 * max(e[5] for e in events):
+            ax.text((start + end) / 2, stage, label, ha="center", va="center", fontsize=7)
+    ax.set_yticks(sorted({e[0] for e in events}))
+    ax.set_yticklabels([f"stage {s}" for s in sorted({e[0] for e in events})])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    share = bubble_share(events)
+    note = f"bubble {share:.1%}" + (f" (formula {formula:.1%})" if formula is not None else "")
+    ax.set_title(f"{title} — {note}" if title else note, fontsize=10)
+    if own:
+        fig.tight_layout()
+        if path:
+            fig.savefig(path)
+            plt.close(fig)
+    return ax
+
+
+def compare_pipelines(named_events: list, path=None, formulas: list | None = None):
+    """Several Gantt charts stacked, on one time axis: e.g. GPipe, 1F1B and interleaved 1F1B."""
+    heights = [1 + len({e[0] for e in ev}) for _, ev in named_events]
+    fig, axes = plt.subplots(len(named_events), 1, figsize=(10, 0.55 * sum(heights) + 1), dpi=120,
+                             sharex=True, gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for i, ((name, events), ax) in enumerate(zip(named_events, axes[:, 0])):
+        plot_pipeline(events, ax=ax, title=name, formula=formulas[i] if formulas else None)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path)
+        plt.close(fig)
+    return fig
+
+
+def plot_activation_memory(series: dict, path=None, title: str = "activation memory per stage"):
+    """Bytes saved for backward over time, one line per label (e.g. ``{"GPipe stage 0": [(t, b), ...]}``)."""
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=120)
+    for label, points in series.items():
+        t0 = points[0][0]
+        ax.step([(t - t0) / 1e3 for t, _ in points], [b / 2**20 for _, b in points], where="post", label=label)
+    ax.set_xlabel("time (ms)")
+    ax.set_ylabel("saved for backward (MiB)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path)
+        plt.close(fig)
+    return fig

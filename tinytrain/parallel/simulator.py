@@ -38,6 +38,10 @@ class Timeline:
     bubble_share: float
     peak_activations: list  # per stage: most micro-batch chunks held at once
 
+    def rows(self) -> list:
+        """The events as plain tuples (stage, kind, microbatch, chunk, start, end), for tinytrain.viz."""
+        return [(st, a.kind, a.microbatch, a.chunk, start, end) for st, a, start, end in self.events]
+
     def busy(self, stage: int) -> float:
         return sum(e - s for st, _, s, e in self.events if st == stage)
 
