@@ -334,6 +334,14 @@ def split_counts(length: int, parts: int) -> list[int]:
 
 
 def _ring_reduce_scatter(c: _Call, flat, bounds, op: str, shift: int):
+    """Ring reduce-scatter of ``flat``, in place, in n-1 steps (assignment task 1.1).
+
+    ``bounds[i]`` is the (start, stop) of chunk i in ``flat``. Each step is one
+    ``yield c.exchange(what, sends=[(chunk, right)], recvs=[(tmp, left)])``: a step's send and
+    receive are posted together, so no rank waits for another to receive first. After the last
+    step, chunk (r + 1 + shift) % n of rank r holds the reduction (``_combine``) over all ranks.
+    """
+    # BEGIN SOLUTION 1.1 "Step s sends chunk (r-s+shift)%n right, receives chunk (r-s-1+shift)%n from the left, combines it in."
     n, r = c.size, c.rank
     right, left = (r + 1) % n, (r - 1) % n
     tmp = _xp_of(flat).empty(max((b - a for a, b in bounds), default=0), dtype=flat.dtype)
@@ -348,9 +356,16 @@ def _ring_reduce_scatter(c: _Call, flat, bounds, op: str, shift: int):
             recvs=[(incoming, left)],
         )
         _combine(flat[ra:rb], incoming, op)
+    # END SOLUTION
 
 
 def _ring_all_gather(c: _Call, flat, bounds, shift: int, label: str = "ring all-gather"):
+    """Ring all-gather in place, in n-1 steps (assignment task 1.2).
+
+    On entry rank r's chunk (r + 1 + shift) % n of ``flat`` is final; on exit every chunk is. Like
+    reduce-scatter, but a received chunk overwrites (it is already finished) instead of adding.
+    """
+    # BEGIN SOLUTION 1.2 "Step s sends chunk (r+1+shift-s)%n right and receives chunk (r+shift-s)%n from the left into flat."
     n, r = c.size, c.rank
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
@@ -361,14 +376,19 @@ def _ring_all_gather(c: _Call, flat, bounds, shift: int, label: str = "ring all-
             sends=[(flat[sa:sb], right)],
             recvs=[(flat[ra:rb], left)],
         )
+    # END SOLUTION
 
 
 def _all_reduce_ring(c: _Call, flat, op: str):
-    """Ring all-reduce. Volume sent by rank r with chunk lengths len_i (split_counts):
+    """Ring all-reduce = reduce-scatter + all-gather (assignment task 1.3).
+
+    Volume sent by rank r with chunk lengths len_i (split_counts):
     2*N - len_{(r+1)%n} - len_{(r+2)%n} elements, i.e. 2(n-1)/n * N when n divides N."""
+    # BEGIN SOLUTION 1.3 "Cut flat into n chunks (split_counts, _bounds); reduce-scatter, then all-gather, both with shift=0."
     bounds = _bounds(split_counts(flat.size, c.size))
     yield from _ring_reduce_scatter(c, flat, bounds, op, shift=0)
     yield from _ring_all_gather(c, flat, bounds, shift=0)
+    # END SOLUTION
 
 
 # =================================================================================================
@@ -519,6 +539,12 @@ def _tree_children(v: int, n: int) -> list[int]:
 
 
 def _broadcast_tree(c: _Call, flat, root: int):
+    """Binomial-tree broadcast of ``flat`` from ``root``, in place (assignment task 1.5).
+
+    Work with ranks relative to the root, v = (rank - root) % n: every rank but the root first
+    receives from its parent, then sends to its children (``_tree_children``) in one step.
+    """
+    # BEGIN SOLUTION 1.5 "Unless v == 0, receive from parent v - (v & -v); then send to every child in _tree_children(v, n)."
     n = c.size
     v = (c.rank - root) % n
     absolute = lambda u: (u + root) % n  # noqa: E731
@@ -532,6 +558,7 @@ def _broadcast_tree(c: _Call, flat, root: int):
             f"tree broadcast: send to ranks {[absolute(k) for k in reversed(kids)]}",
             sends=[(flat, absolute(k)) for k in reversed(kids)],
         )
+    # END SOLUTION
 
 
 def _broadcast_naive(c: _Call, flat, root: int):
@@ -600,6 +627,11 @@ def _scatter_linear(c: _Call, flat, full, root: int, bounds):
 
 
 def _all_to_all_pairwise(c: _Call, flat, send_bounds, out, recv_bounds):
+    """All-to-all by pairwise exchange in n-1 steps (assignment task 1.4).
+
+    ``flat[send_bounds[p]]`` goes to rank p; what rank p sends lands in ``out[recv_bounds[p]]``.
+    """
+    # BEGIN SOLUTION 1.4 "Copy your own piece; step s=1..n-1 sends to rank (r+s)%n and receives from (r-s)%n in one exchange."
     n, r = c.size, c.rank
     (sa, sb), (ra, rb) = send_bounds[r], recv_bounds[r]
     out[ra:rb] = flat[sa:sb]  # my piece for myself never leaves
@@ -611,13 +643,14 @@ def _all_to_all_pairwise(c: _Call, flat, send_bounds, out, recv_bounds):
             sends=[(flat[sa:sb], dst)],
             recvs=[(out[ra:rb], src)],
         )
+    # END SOLUTION
 
 
 def _exchange_counts(c: _Call, send_counts: list[int]):
     """Pairwise-exchange how many rows each rank sends to each other; returns the counts I get."""
     mine = numpy.array(send_counts, dtype=numpy.int64)
     got = numpy.zeros(c.size, dtype=numpy.int64)
-    yield from _all_to_all_pairwise(c, mine, _bounds([1] * c.size), got, _bounds([1] * c.size))
+    yield from _all_to_all_algorithm()(c, mine, _bounds([1] * c.size), got, _bounds([1] * c.size))
     return [int(x) for x in got]
 
 
@@ -637,6 +670,62 @@ def _barrier_dissemination(c: _Call):
             recvs=[(numpy.zeros(0, dtype=numpy.uint8), (r - dist) % n)],
         )
         dist *= 2
+
+
+# =================================================================================================
+# Stand-ins, for a student release
+# =================================================================================================
+#
+# `python -m grader release` gives students a copy of tinytrain in which the solution regions
+# above (assignment 1) are cut out: each raises a NotImplementedError with a TODO. The rest of
+# the framework still needs its collectives (data parallel all-reduces, MoE all-to-alls), and a
+# student may do a later assignment first. So where an algorithm is cut out, the public functions
+# below use a simpler algorithm of this file instead: correct, just not bandwidth-optimal. In the
+# full repository nothing is cut out and the stand-ins never run.
+#
+# Only this module falls back. The assignment file is a copy of it (assignments/a1_collectives.py)
+# and must raise its TODOs, so that the grader reports them instead of grading a stand-in.
+
+_FRAMEWORK_COPY = __name__ == "tinytrain.distributed.collectives"
+
+
+def _cut_out(*fns) -> bool:
+    """True when a student release replaced one of ``fns`` by a TODO stub (never in an assignment)."""
+    def stub(fn):
+        return any(isinstance(k, str) and k.startswith("TODO ") for k in fn.__code__.co_consts)
+
+    return _FRAMEWORK_COPY and any(stub(fn) for fn in fns)
+
+
+def _reduce_scatter_standin(c: _Call, flat, bounds, op: str):
+    """Reduce onto rank 0 (binomial tree), then scatter: rank r's chunk r ends up reduced."""
+    yield from _reduce_tree(c, flat, 0, op)
+    a, b = bounds[c.rank]
+    yield from _scatter_linear(c, flat[a:b], flat if c.rank == 0 else None, 0, bounds)
+
+
+def _all_gather_standin(c: _Call, flat, bounds):
+    """Gather every piece on rank 0, then send the whole buffer to everyone."""
+    a, b = bounds[c.rank]
+    yield from _gather_linear(c, flat[a:b], flat if c.rank == 0 else None, 0, bounds)
+    yield from _broadcast_naive(c, flat, 0)
+
+
+def _all_to_all_standin(c: _Call, flat, send_bounds, out, recv_bounds):
+    """Every message of the all-to-all posted in one step (same volume as pairwise, more at once)."""
+    n, r = c.size, c.rank
+    (sa, sb), (ra, rb) = send_bounds[r], recv_bounds[r]
+    out[ra:rb] = flat[sa:sb]
+    others = [p for p in range(n) if p != r]
+    yield c.exchange(
+        "all-to-all stand-in: all messages at once",
+        sends=[(flat[send_bounds[p][0] : send_bounds[p][1]], p) for p in others],
+        recvs=[(out[recv_bounds[p][0] : recv_bounds[p][1]], p) for p in others],
+    )
+
+
+def _all_to_all_algorithm():
+    return _all_to_all_standin if _cut_out(_all_to_all_pairwise) else _all_to_all_pairwise
 
 
 # =================================================================================================
@@ -707,6 +796,8 @@ def all_reduce(tensor, op: str = "sum", group=None, async_op: bool = False, algo
     check_buffer(tensor, "all_reduce", writable=True)
     _check_op(op, tensor.dtype)
     algo = _check_algo("all_reduce", algo, ALL_REDUCE_ALGOS, choose_all_reduce_algo(tensor.nbytes))
+    if algo == "ring" and _cut_out(_all_reduce_ring, _ring_reduce_scatter, _ring_all_gather):
+        algo = "halving_doubling"  # student release: the ring is an assignment (see "Stand-ins")
     flat = tensor.reshape(-1)
     body = {"ring": _all_reduce_ring, "recursive_doubling": _all_reduce_recursive_doubling,
             "halving_doubling": _all_reduce_halving_doubling, "naive": _all_reduce_naive}[algo]
@@ -729,6 +820,8 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, algo: st
     root = _check_root(g, src, "src")
     algo = _check_algo("broadcast", algo, ("tree", "naive"), "tree")
     flat = tensor.reshape(-1)
+    if algo == "tree" and _cut_out(_broadcast_tree):
+        algo = "naive"  # student release: the tree is an assignment (see "Stand-ins")
     body = _broadcast_tree if algo == "tree" else _broadcast_naive
 
     def run():
@@ -791,7 +884,10 @@ def all_gather(tensor, group=None, async_op: bool = False, algo: str | None = No
         flat = out.reshape(-1)
         a, b = bounds[g.rank]
         flat[a:b] = tensor.reshape(-1)
-        yield from _ring_all_gather(c, flat, bounds, shift=-1)
+        if _cut_out(_ring_all_gather):  # student release (see "Stand-ins")
+            yield from _all_gather_standin(c, flat, bounds)
+        else:
+            yield from _ring_all_gather(c, flat, bounds, shift=-1)
         return out
 
     c = _Call(g, "all_gather", "ring")
@@ -832,7 +928,10 @@ def reduce_scatter(tensor, op: str = "sum", group=None, async_op: bool = False, 
 
     def run():
         work = tensor.reshape(-1).copy()  # the ring reduces in place; keep the caller's input intact
-        yield from _ring_reduce_scatter(c, work, bounds, op, shift=-1)
+        if _cut_out(_ring_reduce_scatter):  # student release (see "Stand-ins")
+            yield from _reduce_scatter_standin(c, work, bounds, op)
+        else:
+            yield from _ring_reduce_scatter(c, work, bounds, op, shift=-1)
         a, b = bounds[g.rank]
         flat = out.reshape(-1)
         flat[...] = work[a:b]
@@ -882,7 +981,7 @@ def all_to_all(tensor, send_sizes=None, recv_sizes=None, group=None, async_op: b
             out = _xp_of(tensor).empty(shape, dtype=tensor.dtype)
         send_bounds = _bounds([s * row_len for s in send_sizes])
         recv_bounds = _bounds([s * row_len for s in got])
-        yield from _all_to_all_pairwise(c, tensor.reshape(-1), send_bounds, out.reshape(-1), recv_bounds)
+        yield from _all_to_all_algorithm()(c, tensor.reshape(-1), send_bounds, out.reshape(-1), recv_bounds)
         return out
 
     c = _Call(g, "all_to_all", "pairwise")

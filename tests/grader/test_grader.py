@@ -1,0 +1,175 @@
+"""The grader is honest: the reference scores 100, the stubs score 0 (all TODO), planted bugs lose
+exactly the right task with a message naming it, and borrowing the reference is refused.
+
+These tests run ``python -m grader`` (which spawns ``mpirun -n 4``) as a subprocess. They are
+single-process tests: under ``mpirun -n 4 python -m pytest`` the harness runs them on rank 0 only,
+and the grader strips the outer launcher's variables so its own ``mpirun`` starts cleanly. Each
+grader run is shared by the tests that read it (module-scoped fixtures), and sizes are small.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grader import guard
+from grader.config import ROOT, is_release, load_rubric
+from grader.run import mpi_environment
+from grader.stubs import assignment_text
+
+pytestmark = pytest.mark.skipif(is_release(), reason="grader self-tests need the reference solution (not in a student copy)")
+
+RUBRIC = load_rubric()
+A1 = RUBRIC.assignments["1"]
+
+
+def grade(tmp: Path, *args: str, timeout: float = 240) -> tuple[dict, str]:
+    """Run ``python -m grader`` and return (results.json, printed output)."""
+    out = tmp / "out"
+    cmd = [sys.executable, "-m", "grader", "--out", str(out), "--comm-timeout", "4", "--timeout", "40", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_environment(), capture_output=True, text=True, timeout=timeout)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"the grader itself failed (status {proc.returncode}):\n{text}"
+    return json.loads((out / "results.json").read_text()), text
+
+
+def by_task(results: dict) -> dict[str, dict]:
+    return {t["number"]: t for t in results["tests"]}
+
+
+def planted(tmp: Path, old: str, new: str) -> Path:
+    """A folder holding the solved assignment with one planted bug (``old`` replaced by ``new``)."""
+    text = assignment_text(A1, RUBRIC, solved=True)
+    assert text.count(old) == 1, f"the bug cannot be planted: {old!r} occurs {text.count(old)} times"
+    folder = tmp / "planted"
+    folder.mkdir()
+    (folder / Path(A1.file).name).write_text(text.replace(old, new))
+    return folder
+
+
+def insert_after_docstring(text: str, function: str, line: str) -> str:
+    """``text`` with ``line`` as the first statement after ``function``'s docstring."""
+    start = text.index(f"def {function}(")
+    doc_end = text.index('"""', text.index('"""', start) + 3) + 3
+    return text[:doc_end] + "\n    " + line + text[doc_end:]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    return grade(tmp_path_factory.mktemp("reference"), "--impl", "reference")
+
+
+@pytest.fixture(scope="module")
+def stubs_run(tmp_path_factory):
+    return grade(tmp_path_factory.mktemp("stubs"))
+
+
+def test_reference_scores_full_marks_on_every_task(reference_run):
+    results, text = reference_run
+    assert results["score"] == results["max_score"] == 100, text
+    assert {t["number"] for t in results["tests"]} == set(RUBRIC.tasks)
+    assert all(t["status"] == "passed" and t["score"] == t["max_score"] for t in results["tests"]), text
+
+
+def test_stubs_score_zero_with_every_task_todo(stubs_run, tmp_path):
+    results, text = stubs_run
+    assert results["score"] == 0 and results["max_score"] == 100, text
+    for task in results["tests"]:
+        assert task["output"].startswith(f"TODO: TODO {task['number']}:"), task["output"]
+    assert text.count(" TODO\n") == len(RUBRIC.tasks), text  # the table's result column
+
+
+def test_junit_and_gradescope_files_agree(reference_run):
+    results, _ = reference_run
+    assert set(results) >= {"score", "max_score", "tests"}
+    for t in results["tests"]:
+        assert set(t) >= {"name", "score", "max_score", "status", "output"}
+
+
+BUGS = {
+    # name: (text in the solution, replacement, task that must fail, words the message must contain)
+    "off_by_one_chunk_in_reduce_scatter": (
+        "send_i, recv_i = (r - s + shift) % n, (r - s - 1 + shift) % n",
+        "send_i, recv_i = (r - s + 1 + shift) % n, (r - s - 1 + shift) % n",
+        "1.1", "of the reduce-scatter differs at index"),
+    "reduction_forgets_one_rank": (
+        "    for s in range(n - 1):\n        send_i, recv_i = (r - s + shift)",
+        "    for s in range(n - 2):\n        send_i, recv_i = (r - s + shift)",
+        "1.1", "differs at index"),
+    "all_to_all_swaps_two_blocks": (
+        "(sa, sb), (ra, rb) = send_bounds[dst], recv_bounds[src]",
+        "(sa, sb), (ra, rb) = send_bounds[src], recv_bounds[src]",
+        "1.4", "the block received from group rank"),
+    "send_send_deadlock_at_large_sizes": (
+        "            sends=[(flat[sa:sb], right)],\n            recvs=[(incoming, left)],\n        )",
+        "            sends=[(flat[sa:sb], right)],\n        )\n        yield c.exchange('receive', recvs=[(incoming, left)])",
+        "1.1", "CommTimeout"),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_planted_bug_fails_the_right_task_with_a_message(bug, tmp_path):
+    old, new, task, words = BUGS[bug]
+    folder = planted(tmp_path, old, new)
+    results, text = grade(tmp_path, "--assignments", str(folder), "--tasks", task)
+    row = by_task(results)[task]
+    assert results["score"] < results["max_score"] and row["score"] == 0 and row["status"] == "failed", text
+    assert words in row["output"] and "rank " in row["output"], row["output"]
+
+
+def test_solved_assignment_scores_full_marks(tmp_path):
+    """The assignment machinery itself (loading from a folder, the copy's own helpers) works."""
+    folder = tmp_path / "solved"
+    folder.mkdir()
+    (folder / Path(A1.file).name).write_text(assignment_text(A1, RUBRIC, solved=True))
+    results, text = grade(tmp_path, "--assignments", str(folder), "--tasks", "1.3", "1.5")
+    assert results["score"] == results["max_score"] == 30, text
+
+
+def test_grader_refuses_an_assignment_that_imports_the_reference(tmp_path):
+    folder = tmp_path / "cheat"
+    folder.mkdir()
+    cheat = assignment_text(A1, RUBRIC) + "\nfrom tinytrain.distributed.collectives import _ring_reduce_scatter\n"
+    (folder / Path(A1.file).name).write_text(cheat)
+    results, text = grade(tmp_path, "--assignments", str(folder))
+    assert results["score"] == 0, text
+    assert "refusing to grade" in text and "imports from tinytrain.distributed.collectives" in text, text
+    assert all("refusing" in t["output"] for t in results["tests"]), results
+
+
+@pytest.mark.parametrize("line, words", [
+    ("from tinytrain.distributed import all_reduce", "imports all_reduce from tinytrain.distributed"),
+    ("import tinytrain.distributed.collectives as ref", "imports tinytrain.distributed.collectives"),
+    ("from tinytrain.distributed import collectives", "imports tinytrain.distributed.collectives"),
+    ("import importlib; importlib.import_module('tinytrain.distributed.collectives')", "names the reference module"),
+    ("import sys\nref = sys.modules[\"tinytrain.distributed.collectives\"]", "tinytrain.distributed.collectives"),
+    ("from tinytrain import distributed as d\nx = d.reduce_scatter", "uses d.reduce_scatter"),
+    ("def f(g, x, y): g.comm.Allreduce(x, y)", "calls MPI's own collective .Allreduce()"),
+])
+def test_guard_names_each_way_of_borrowing_the_solution(tmp_path, line, words):
+    path = tmp_path / "a1_collectives.py"
+    path.write_text(assignment_text(A1, RUBRIC) + "\n" + line + "\n")
+    found = guard.problems(A1, path=path)
+    assert any(words in p for p in found), found
+    path.write_text(assignment_text(A1, RUBRIC))
+    assert guard.problems(A1, path=path) == []
+
+
+def test_crash_and_hang_cost_only_their_own_tasks(tmp_path):
+    """MPI_Abort in 1.4 and an endless loop in 1.5: tasks 1.1-1.3 keep their points."""
+    text = assignment_text(A1, RUBRIC, solved=True)
+    text = insert_after_docstring(text, "_all_to_all_pairwise", "from mpi4py import MPI; MPI.COMM_WORLD.Abort(3)")
+    text = insert_after_docstring(text, "_broadcast_tree", "while True: pass")
+    folder = tmp_path / "crashy"
+    folder.mkdir()
+    (folder / Path(A1.file).name).write_text(text)
+    results, out = grade(tmp_path, "--assignments", str(folder), "--timeout", "8")
+    rows = by_task(results)
+    assert [rows[t]["status"] for t in ("1.1", "1.2", "1.3")] == ["passed"] * 3, out
+    assert results["score"] == 60, out
+    assert "crashed" in rows["1.4"]["output"], rows["1.4"]["output"]
+    assert "hung" in rows["1.5"]["output"], rows["1.5"]["output"]
