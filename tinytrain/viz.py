@@ -115,3 +115,32 @@ def plot_activation_memory(series: dict, path=None, title: str = "activation mem
         fig.savefig(path)
         plt.close(fig)
     return fig
+
+
+_SPAN_COLORS = {"compute": "#4c72b0", "comm": "#dd8452", "idle": "#b0b0b0"}
+
+
+def plot_timeline(spans: list[dict], path, title: str | None = None) -> None:
+    """Per-rank timeline of trace spans (``tinytrain.trace.merge()``): compute on the upper half of a
+    rank's row, communication on the lower half, so overlap shows as bars stacked in one column."""
+    if not spans:
+        raise ValueError("plot_timeline needs at least one span (was tracing enabled?)")
+    t0 = min(s["start"] for s in spans)
+    ranks = sorted({s["rank"] for s in spans})
+    fig, ax = plt.subplots(figsize=(9, 0.8 + 0.7 * len(ranks)), dpi=120)
+    for s in spans:
+        row = ranks.index(s["rank"])
+        lower = s["cat"] == "comm"
+        y = row + (0.0 if lower else 0.42)
+        ax.broken_barh([((s["start"] - t0) / 1e3, max((s["end"] - s["start"]) / 1e3, 1e-3))], (y, 0.38),
+                       facecolors=_SPAN_COLORS.get(s["cat"], "#55a868"), edgecolor="white", linewidth=0.3)
+    ax.set_yticks([i + 0.4 for i in range(len(ranks))])
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in _SPAN_COLORS.items()]
+    ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=3)
+    ax.set_title(title or "timeline: compute (top of each row) and communication (bottom)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
