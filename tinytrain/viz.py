@@ -55,7 +55,8 @@ def bubble_share(events: list) -> float:
     return 1.0 - busy / (len(stages) * (end - start))
 
 
-def plot_pipeline(events: list, ax=None, title: str | None = None, formula: float | None = None, path=None):
+def plot_pipeline(events: list, ax=None, title: str | None = None, formula: float | None = None, path=None,
+                  unit_ms: bool = False):
     """A Gantt chart: one row per stage, forward (solid) and backward (hatched) blocks coloured by
     micro-batch and labelled ``F3`` / ``B3`` (``.c`` for chunk c), white gaps are the bubbles."""
     own = ax is None
@@ -73,7 +74,7 @@ def plot_pipeline(events: list, ax=None, title: str | None = None, formula: floa
     ax.set_yticks(sorted({e[0] for e in events}))
     ax.set_yticklabels([f"stage {s}" for s in sorted({e[0] for e in events})])
     ax.invert_yaxis()
-    ax.set_xlabel("time")
+    ax.set_xlabel("time (ms)" if unit_ms else "time (one forward = 1)")
     share = bubble_share(events)
     note = f"bubble {share:.1%}" + (f" (formula {formula:.1%})" if formula is not None else "")
     ax.set_title(f"{title} — {note}" if title else note, fontsize=10)
@@ -85,13 +86,16 @@ def plot_pipeline(events: list, ax=None, title: str | None = None, formula: floa
     return ax
 
 
-def compare_pipelines(named_events: list, path=None, formulas: list | None = None):
-    """Several Gantt charts stacked, on one time axis: e.g. GPipe, 1F1B and interleaved 1F1B."""
+def compare_pipelines(named_events: list, path=None, formulas: list | None = None, sharex: bool = True,
+                      units_ms: list | None = None):
+    """Several Gantt charts stacked: e.g. GPipe, 1F1B and interleaved 1F1B on one time axis, or
+    (``sharex=False``) a simulated schedule above a measured one, each on its own time axis."""
     heights = [1 + len({e[0] for e in ev}) for _, ev in named_events]
     fig, axes = plt.subplots(len(named_events), 1, figsize=(10, 0.55 * sum(heights) + 1), dpi=120,
-                             sharex=True, gridspec_kw={"height_ratios": heights}, squeeze=False)
+                             sharex=sharex, gridspec_kw={"height_ratios": heights}, squeeze=False)
     for i, ((name, events), ax) in enumerate(zip(named_events, axes[:, 0])):
-        plot_pipeline(events, ax=ax, title=name, formula=formulas[i] if formulas else None)
+        plot_pipeline(events, ax=ax, title=name, formula=formulas[i] if formulas else None,
+                      unit_ms=bool(units_ms and units_ms[i]))
     fig.tight_layout()
     if path:
         fig.savefig(path)
@@ -117,12 +121,13 @@ def plot_activation_memory(series: dict, path=None, title: str = "activation mem
     return fig
 
 
-_SPAN_COLORS = {"compute": "#4c72b0", "comm": "#dd8452", "idle": "#b0b0b0"}
+_SPAN_COLORS = {"compute": "#4c72b0", "comm": "#dd8452", "idle": "#b0b0b0", "other": "#55a868"}
 
 
 def plot_timeline(spans: list[dict], path, title: str | None = None) -> None:
-    """Per-rank timeline of trace spans (``tinytrain.trace.merge()``): compute on the upper half of a
-    rank's row, communication on the lower half, so overlap shows as bars stacked in one column."""
+    """Per-rank timeline of trace spans (``tinytrain.trace.merge()``): compute (and idle) on the upper
+    half of a rank's row, communication on the lower half, so overlap shows as bars stacked in one
+    column. Communication spans run from the call to its completion."""
     if not spans:
         raise ValueError("plot_timeline needs at least one span (was tracing enabled?)")
     t0 = min(s["start"] for s in spans)
@@ -130,10 +135,9 @@ def plot_timeline(spans: list[dict], path, title: str | None = None) -> None:
     fig, ax = plt.subplots(figsize=(9, 0.8 + 0.7 * len(ranks)), dpi=120)
     for s in spans:
         row = ranks.index(s["rank"])
-        lower = s["cat"] == "comm"
-        y = row + (0.0 if lower else 0.42)
+        y = row + (0.42 if s["cat"] == "comm" else 0.0)  # the y axis is inverted: comm below
         ax.broken_barh([((s["start"] - t0) / 1e3, max((s["end"] - s["start"]) / 1e3, 1e-3))], (y, 0.38),
-                       facecolors=_SPAN_COLORS.get(s["cat"], "#55a868"), edgecolor="white", linewidth=0.3)
+                       facecolors=_SPAN_COLORS.get(s["cat"], _SPAN_COLORS["other"]), edgecolor="white", linewidth=0.3)
     ax.set_yticks([i + 0.4 for i in range(len(ranks))])
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()

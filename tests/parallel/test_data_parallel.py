@@ -84,8 +84,7 @@ def test_parameters_match_the_serial_run_with_gradient_accumulation(kind, opt_ki
 
 
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize("kind", ["naive", "bucketed"])
-@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("kind, tie", [("naive", True), ("bucketed", False)])
 def test_frozen_parameters_stay_put_and_never_travel(kind, tie):
     rank, n = dist.get_rank(), dist.get_world_size()
     frozen = ("wpe", "blocks.0.ln_1")
@@ -213,14 +212,14 @@ def test_bucketed_all_reduce_overlaps_backward_in_the_trace(progress, tmp_path):
     rank, n = dist.get_rank(), dist.get_world_size()
     model = tiny_gpt(n_layer=2)
     s = BucketedDDP(model, bucket_mb=0.02, poll=progress == "poll")
-    x, y = global_batch(0, 64 * n)
+    x, y = global_batch(0, 16 * n)
     x, y = xp.asarray(shard_rows(x, rank, n)), xp.asarray(shard_rows(y, rank, n))
     trace.clear()
     trace.enable()
     if progress == "thread":
         dist.start_progress_thread()
     try:
-        for _ in range(3):
+        for _ in range(2):
             s.backward(F.cross_entropy(s(x), y))
     finally:
         dist.stop_progress_thread()
@@ -230,6 +229,8 @@ def test_bucketed_all_reduce_overlaps_backward_in_the_trace(progress, tmp_path):
     if rank != 0:
         return
     assert overlap_us(spans) > 0, "no all-reduce finished while backward was still running"
+    if progress != "thread":
+        return  # one figure is enough (matplotlib takes seconds on a busy machine)
     from tinytrain.viz import plot_timeline
 
     plot_timeline(spans, tmp_path / "timeline.png", title="bucketed DDP")

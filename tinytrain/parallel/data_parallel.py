@@ -73,7 +73,8 @@ class _Replicated:
         self.params = trainable(module)
 
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        with trace.span("forward", cat="compute"):
+            return self.module(*args, **kwargs)
 
     def __getattr__(self, name):  # model.config, model.eval(), ... reach the wrapped module
         if name == "module":
