@@ -36,7 +36,10 @@ def main(argv=None) -> int:
         return int(importlib.import_module(args._module).run(args) or 0)
     except ValueError as exc:
         # A bad setting: say what to change, without a traceback (argparse's style, exit code 2).
-        parser.exit(2, f"tinytrain {args.command}: error: {exc}\n")
+        # Under mpirun every rank fails the same way; one message is enough.
+        dist = sys.modules.get("tinytrain.distributed")
+        quiet = dist is not None and dist.is_initialized() and dist.get_rank() != 0
+        parser.exit(2, None if quiet else f"tinytrain {args.command}: error: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--eval-batches", type=int, default=4)
     run.add_argument("--ckpt-every", type=int, default=200)
     run.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
+    run.add_argument("--trace", default=None, metavar="OUT.json", help="write a Chrome trace of every rank (Perfetto)")
+    run.add_argument("--plot", action="store_true", help="also draw what each rank did in the last step (pipeline)")
+    par = p.add_argument_group("parallelism (run under mpirun -n N)")
+    par.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    par.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b")
+    par.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: 2 x --pp)")
+    par.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved schedule)")
     run.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -72,19 +79,21 @@ def check_args(args) -> None:
         raise ValueError(f"--warmup {args.warmup} is longer than --steps {args.steps}")
 
 
-def build(args, dataset):
+def build_model(args, dataset) -> GPT:
     config = GPTConfig(
         vocab_size=dataset.vocab_size, block_size=dataset.block_size, n_layer=args.layers,
         n_head=args.heads, n_embd=args.width, dropout=args.dropout, n_experts=args.experts,
         moe_top_k=min(2, args.experts) if args.experts else 2,
     )
-    model = GPT(config, seed=args.seed)
+    return GPT(config, seed=args.seed)
+
+
+def build_optimizer(args, params):
     if args.optimizer == "adamw":
-        optimizer = AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
+        optimizer = AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
     else:
-        optimizer = SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
-    schedule = WarmupCosine(optimizer, args.warmup, args.steps, min_lr=args.min_lr)
-    return model, optimizer, schedule
+        optimizer = SGD(params, lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
+    return optimizer, WarmupCosine(optimizer, args.warmup, args.steps, min_lr=args.min_lr)
 
 
 def loss_of(model, x, y):
@@ -136,10 +145,141 @@ class Progress:
             print(line, file=sys.stderr, flush=True)
 
 
+class SerialRunner:
+    """One process holds the whole model: forward, backward, done."""
+
+    is_main = True
+    saves_optimizer = True
+
+    def __init__(self, model):
+        self.model = model
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def forward_backward(self, x, y) -> float:
+        loss = loss_of(self.model, x, y)
+        loss.backward()
+        return loss.item()
+
+    def clip_gradients(self, max_norm: float) -> float:
+        return clip_grad_norm_(self.parameters(), max_norm)
+
+    def share_model(self) -> None:
+        """Make the full, current model available on this rank (nothing to do here)."""
+
+    def finish(self, args, out: Path) -> None:
+        """Write what this strategy has to show (nothing for a serial run)."""
+
+
+class PipelineRunner(SerialRunner):
+    """``--pp N``: each rank is one stage; micro-batches flow through the schedule's actions."""
+
+    saves_optimizer = False  # each stage holds its own optimizer state
+
+    def __init__(self, model, args):
+        from tinytrain import distributed as dist
+        from tinytrain.parallel.pipeline import PipelineStage, make_schedule
+
+        dist.init()
+        if dist.get_world_size() != args.pp:
+            raise ValueError(f"--pp {args.pp} needs exactly {args.pp} ranks: run `mpirun -n {args.pp} tinytrain train --pp {args.pp} ...` "
+                             f"(this run has {dist.get_world_size()})")
+        self.model, self.dist = model, dist
+        self.microbatches = args.microbatches or 2 * args.pp
+        if args.batch_size % self.microbatches:
+            raise ValueError(f"--batch-size {args.batch_size} does not split into {self.microbatches} micro-batches; "
+                             f"use a multiple of {self.microbatches}")
+        self.schedule = make_schedule(args.schedule, args.pp, self.microbatches, args.chunks)
+        self.stage = PipelineStage(model, args.pp, args.chunks)
+        self.actions = self.schedule[self.stage.rank]
+        self.is_main = self.stage.rank == 0
+
+    def parameters(self):
+        return self.stage.parameters()
+
+    def forward_backward(self, x, y) -> float:
+        from tinytrain.parallel.pipeline import train_step
+
+        loss, _ = train_step(self.stage, self.actions, x, y, self.microbatches)
+        # the loss lives on the last stage; rank 0 reports it
+        buf = xp.asarray([loss if loss is not None else 0.0], dtype=xp.float64)
+        self.dist.broadcast(buf, src=self.stage.stages - 1)
+        return float(buf[0])
+
+    def clip_gradients(self, max_norm: float) -> float:
+        # The global norm adds every stage's squares; the tied embedding, held twice, counts once.
+        params = self.parameters()
+        counted = [p for p in params if not (self.stage.is_last and not self.stage.is_first and p is self.model.wte.weight)]
+        sq = xp.asarray([sum(float((p.grad.astype(xp.float64) ** 2).sum()) for p in counted if p.grad is not None)])
+        self.dist.all_reduce(sq)
+        return clip_grad_norm_(params, max_norm, total_norm=math.sqrt(float(sq[0])))
+
+    def share_model(self) -> None:
+        from tinytrain.parallel.pipeline import share_parameters
+
+        share_parameters(self.stage)
+
+    def finish(self, args, out: Path) -> None:
+        if not (args.plot or args.trace):
+            return
+        from tinytrain import trace
+
+        spans = trace.merge()
+        if not self.is_main:
+            return
+        if args.trace:
+            trace.write_chrome(args.trace, spans)
+            print(f"wrote the Chrome trace {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+        if args.plot:
+            plot_last_pipeline_step(spans, self, args, out)
+
+
+def plot_last_pipeline_step(spans, runner, args, out: Path) -> None:
+    """The measured last step next to the simulated schedule, and activation memory per stage."""
+    from tinytrain.parallel.simulator import bubble_formula, simulate
+    from tinytrain.viz import bubble_share, compare_pipelines, pipeline_events, plot_activation_memory
+
+    last = {s["rank"]: s for s in spans if s["cat"] == "step" and s["args"]["step"] == args.steps}
+    in_last = [s for s in spans if s["rank"] in last and last[s["rank"]]["start"] <= s["start"] <= last[s["rank"]]["end"]]
+    measured = pipeline_events(in_last)
+    p, m, v = args.pp, runner.microbatches, args.chunks
+    simulated = simulate(runner.schedule, chunks=v).rows()
+    formula = bubble_formula(p, m, v)
+    compare_pipelines([(f"simulated {args.schedule}", simulated), (f"measured {args.schedule}, step {args.steps}", measured)],
+                      out / "pipeline.png", formulas=[formula, formula], sharex=False,
+                      units_ms=[False, True])
+    memory = {}
+    for s in in_last:
+        if s["cat"] == "memory":
+            memory.setdefault(f"stage {s['rank']}", []).append((s["start"], s["args"]["bytes"]))
+    plot_activation_memory(dict(sorted(memory.items())), out / "activation_memory.png",
+                           title=f"bytes saved for backward during step {args.steps} ({args.schedule})")
+    print(f"pipeline: measured bubble share {bubble_share(measured):.1%}, formula (p-1)/(v·m+p-1) = {formula:.1%}; "
+          f"wrote {out}/pipeline.png and activation_memory.png", file=sys.stderr)
+
+
+def make_runner(args, model):
+    if args.pp < 1 or args.chunks < 1 or (args.microbatches is not None and args.microbatches < 1):
+        raise ValueError("--pp, --chunks and --microbatches must be positive")
+    if args.pp > 1:
+        return PipelineRunner(model, args)
+    if args.chunks != 1 or args.microbatches:
+        raise ValueError("--chunks and --microbatches need --pp > 1")
+    return SerialRunner(model)
+
+
 def run(args) -> int:
     check_args(args)
     dataset = load_dataset(args.data, args.block_size, args.digits)
-    model, optimizer, schedule = build(args, dataset)
+    model = build_model(args, dataset)
+    runner = make_runner(args, model)
+    optimizer, schedule = build_optimizer(args, runner.parameters())
+    quiet = args.quiet or not runner.is_main
+    if args.trace or args.plot:
+        from tinytrain import trace
+
+        trace.enable()
     out = Path(args.out)
     ckpt_path = out / "ckpt.npz"
     metrics = {"config": {"args": vars(args).copy(), "model": model.config.to_dict(), "device": device,
@@ -149,33 +289,35 @@ def run(args) -> int:
     start_step = 0
     if args.resume:
         model_state, optim_state, meta = checkpoint.load(ckpt_path)
+        if not runner.saves_optimizer or not meta.get("optimizer_saved", True):
+            raise ValueError("--resume needs a checkpoint with the optimizer state, which pipeline runs do not "
+                             "write yet; resume without --pp from a run without --pp")
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
         start_step = meta["step"]
         metrics["steps"] = meta["metrics_steps"]
         schedule.last_step = start_step
         optimizer.lr = schedule.lr_at(start_step + 1)
-        if start_step >= args.steps:
+        if start_step >= args.steps and not quiet:
             print(f"checkpoint is at step {start_step}; nothing to do for --steps {args.steps}", file=sys.stderr)
 
-    if not args.quiet:
+    if not quiet:
         print(f"tinytrain: GPT with {model.num_parameters():,} parameters on {device}, data={dataset.name}, "
               f"batch {args.batch_size} x {dataset.block_size} tokens, steps {start_step + 1}..{args.steps}",
               file=sys.stderr)
-    progress = Progress(args.steps, args.quiet)
+    progress = Progress(args.steps, quiet)
     tokens_per_step = args.batch_size * dataset.block_size
     for step in range(start_step + 1, args.steps + 1):
         t0 = time.perf_counter()
         _random.manual_seed((args.seed, step))  # dropout masks depend on (seed, step) only
         x, y = dataset.batch("train", args.batch_size, seed=args.seed, step=step)
-        loss = loss_of(model, x, y)
         optimizer.zero_grad()
-        loss.backward()
-        grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip else None
+        with _trace_step(step):
+            loss_value = runner.forward_backward(x, y)
+        grad_norm = runner.clip_gradients(args.grad_clip) if args.grad_clip else None
         lr = optimizer.lr
         optimizer.step()
         schedule.step()
-        loss_value = loss.item()
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"loss became {loss_value} at step {step}; lower --lr or enable --grad-clip")
         dt = time.perf_counter() - t0
@@ -183,7 +325,11 @@ def run(args) -> int:
         if grad_norm is not None:
             record["grad_norm"] = grad_norm
         extra = ""
-        if step % args.eval_every == 0 or step == args.steps:
+        evaluate_now = step % args.eval_every == 0 or step == args.steps
+        save_now = step % args.ckpt_every == 0 or step == args.steps
+        if evaluate_now or save_now:
+            runner.share_model()
+        if evaluate_now and runner.is_main:
             ev = evaluate(model, dataset, args, step)
             record.update(val_loss=ev["val_loss"], eval_train_loss=ev["train_loss"])
             if "val_accuracy" in ev:
@@ -191,9 +337,13 @@ def run(args) -> int:
             extra = f"val {ev['val_loss']:.4f}" + (f" acc {ev['val_accuracy']:.2f}" if "val_accuracy" in ev else "")
         metrics["steps"].append(record)
         progress.update(step, loss_value, record["tokens_per_s"], extra)
-        if step % args.ckpt_every == 0 or step == args.steps:
-            save_checkpoint(ckpt_path, model, optimizer, args, step, metrics)
+        if save_now and runner.is_main:
+            save_checkpoint(ckpt_path, model, optimizer if runner.saves_optimizer else None, args, step, metrics)
 
+    runner.share_model()
+    runner.finish(args, out)
+    if not runner.is_main:
+        return 0
     final = evaluate(model, dataset, args, args.steps)
     metrics["final"] = final
     out.mkdir(parents=True, exist_ok=True)
@@ -202,13 +352,22 @@ def run(args) -> int:
         from tinytrain.viz import plot_loss_curve
 
         plot_loss_curve(metrics, out / "loss.png", title=f"GPT on {dataset.name}")
-    if not args.quiet:
+    if not quiet:
         summary = ", ".join(f"{k} {v:.4f}" for k, v in final.items())
         print(f"done: {summary}; wrote {out}/metrics.json, loss.png, ckpt.npz", file=sys.stderr)
     return 0
 
 
+def _trace_step(step: int):
+    from tinytrain import trace
+
+    return trace.span("step", cat="step", step=step)
+
+
 def save_checkpoint(path, model, optimizer, args, step, metrics) -> None:
+    """Save the model (and the optimizer, when this rank holds all of its state)."""
     meta = {"step": step, "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-            "model_config": model.config.to_dict(), "metrics_steps": metrics["steps"]}
-    checkpoint.save(path, model.state_dict(), optimizer.state_dict(), meta)
+            "model_config": model.config.to_dict(), "metrics_steps": metrics["steps"],
+            "optimizer_saved": optimizer is not None}
+    optim_state = optimizer.state_dict() if optimizer is not None else {"lr": 0.0, "state": {}}
+    checkpoint.save(path, model.state_dict(), optim_state, meta)

@@ -282,10 +282,10 @@ class PipelineStep:
 
     def run(self) -> float | None:
         for action in self.actions:
-            kind = "forward" if action.kind == "F" else "backward"
-            with trace.span(str(action), cat=kind, microbatch=action.microbatch, chunk=action.chunk):
-                (self.forward if action.kind == "F" else self.backward)(action.microbatch, action.chunk)
-            self.memory.append((trace.now(), saved_bytes()))
+            (self.forward if action.kind == "F" else self.backward)(action.microbatch, action.chunk)
+            now, held = trace.now(), saved_bytes()
+            self.memory.append((now, held))
+            trace.record("activations", "memory", now, now, bytes=held)
         for handle in self.pending:
             handle.wait()
         self.stage.sync_tied_embedding()
@@ -294,16 +294,17 @@ class PipelineStep:
     def forward(self, mb: int, chunk: int) -> None:
         st = self.stage
         k = st.virtual(chunk)
-        if k == 0:
-            h = st.model.embed(self.x[mb])
-        else:
+        if k > 0:  # waiting for the input is a bubble, not work: it stays outside the compute span
             h = recv_activation(self.act_shape, xp.float32, st.peer(k - 1), _tag(mb, k - 1, st.n_virtual, False), st.group)
             self.received[(mb, chunk)] = h
-        out = st.run_chunk(chunk, h)
-        if k == st.n_virtual - 1:
-            out = F.cross_entropy(st.model.logits(out), self.y[mb], reduction="sum") / self.n_targets
-            self.loss += out.item()
-        else:
+        with trace.span(f"F{mb}", cat="forward", microbatch=mb, chunk=chunk):
+            if k == 0:
+                h = st.model.embed(self.x[mb])
+            out = st.run_chunk(chunk, h)
+            if k == st.n_virtual - 1:
+                out = F.cross_entropy(st.model.logits(out), self.y[mb], reduction="sum") / self.n_targets
+                self.loss += out.item()
+        if k < st.n_virtual - 1:
             self.pending.append(send_activation(out, st.peer(k + 1), _tag(mb, k, st.n_virtual, False), st.group))
         self.outputs[(mb, chunk)] = out
 
@@ -311,10 +312,11 @@ class PipelineStep:
         st = self.stage
         k = st.virtual(chunk)
         out = self.outputs.pop((mb, chunk))  # dropping it frees this micro-batch's activations
-        if k == st.n_virtual - 1:
-            out.backward()
-        else:
-            out.backward(recv_gradient(out, st.peer(k + 1), _tag(mb, k, st.n_virtual, True), st.group))
+        grad = None
+        if k < st.n_virtual - 1:
+            grad = recv_gradient(out, st.peer(k + 1), _tag(mb, k, st.n_virtual, True), st.group)
+        with trace.span(f"B{mb}", cat="backward", microbatch=mb, chunk=chunk):
+            out.backward(grad)
         if k > 0:
             leaf = self.received.pop((mb, chunk))
             self.pending.append(send_gradient(leaf, st.peer(k - 1), _tag(mb, k - 1, st.n_virtual, True), st.group))
@@ -329,3 +331,14 @@ def train_step(stage: PipelineStage, actions, x, y, microbatches: int):
     step = PipelineStep(stage, actions, x, y, microbatches)
     return step.run(), step
 
+
+
+def share_parameters(stage: PipelineStage) -> None:
+    """Give every rank every parameter's current values, each broadcast from the stage that owns
+    it, so any rank can evaluate the whole model or save a checkpoint. (Not needed for training.)"""
+    owner = {}
+    for r in reversed(range(stage.stages)):  # the lowest rank holding a parameter owns it
+        other = PipelineStage(stage.model, stage.stages, stage.chunks, rank=r, group=stage.group)
+        owner.update({id(p): r for p in other.parameters()})
+    for p in stage.model.parameters():
+        dist.broadcast(p.data, src=owner[id(p)], group=stage.group)
