@@ -1,0 +1,86 @@
+"""``python -m grader release OUT``: a copy of the repository for students, without solutions.
+
+What the copy holds:
+
+* every git-tracked file, except those under ``[release] exclude`` of the rubric (the grader's own
+  tests, which plant bugs into the solution and so would show it);
+* each reference file of an assignment with its solution regions replaced by the same stubs as
+  the assignment file (the framework then uses its stand-ins, see "Stand-ins" in
+  ``tinytrain/distributed/collectives.py``);
+* ``grader/RELEASE``, which makes ``--impl`` default to ``assignments`` and skips the tests of
+  the removed reference solutions.
+
+It refuses to write when any ``BEGIN SOLUTION`` marker would survive into the copy.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from .config import ROOT, RELEASE_MARKER, is_release, load_rubric
+from .stubs import BEGIN, released_reference_text
+
+RELEASE_NOTE = """This is a student copy of tinytrain, made by `python -m grader release`.
+
+The reference solutions of the assignments are not in it: where the framework needs one of them,
+it uses a simpler stand-in. Write your solutions in assignments/ and grade them with
+
+    python -m grader              (score table, results.json)
+    mpirun -n 4 python -m pytest  (the whole test suite; your unfinished tasks show as TODO skips)
+"""
+
+
+def tracked_files(root: Path = ROOT) -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True)
+    return [p for p in out.stdout.decode().split("\0") if p]
+
+
+def make_release(out: Path, root: Path = ROOT) -> list[str]:
+    """Write the student copy into ``out`` (which must not exist). Returns the files written."""
+    rubric = load_rubric(root / "grader" / "rubric.toml")
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; choose a new folder")
+    exclude = tuple(load_release_excludes(root))
+    references = {a.reference: a for a in rubric.assignments.values()}
+    written = []
+    for rel in tracked_files(root):
+        if rel.startswith(exclude) or not (root / rel).is_file():
+            continue
+        dest = out / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if rel in references:
+            dest.write_text(released_reference_text(references[rel], root))
+        else:
+            shutil.copy2(root / rel, dest)
+        # (grader/ itself only shows markers as examples)
+        if rel.endswith(".py") and not rel.startswith("grader/") and any(
+                BEGIN.match(line) for line in dest.read_text().splitlines()):
+            shutil.rmtree(out)
+            raise ValueError(f"{rel} has solution regions but is not the reference of any assignment in "
+                             "grader/rubric.toml; add it there (or remove the markers) before releasing")
+        written.append(rel)
+    (out / RELEASE_MARKER.relative_to(ROOT)).write_text(RELEASE_NOTE)
+    return written
+
+
+def load_release_excludes(root: Path = ROOT) -> list[str]:
+    from .config import tomllib
+
+    with open(root / "grader" / "rubric.toml", "rb") as f:
+        return list(tomllib.load(f).get("release", {}).get("exclude", []))
+
+
+def main(out: str) -> int:
+    if is_release():
+        print("This is already a student copy; make releases from the instructors' repository.")
+        return 2
+    try:
+        files = make_release(Path(out))
+    except (FileExistsError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 2
+    print(f"wrote a student copy of {len(files)} files to {out}: solution regions stubbed, "
+          f"--impl defaults to assignments there")
+    return 0

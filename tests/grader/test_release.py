@@ -1,0 +1,62 @@
+"""``python -m grader release``: a student copy without solutions, whose own tests pass."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from grader.config import ROOT, is_release, load_rubric
+from grader.release import make_release
+from grader.run import mpi_environment
+from grader.stubs import BEGIN
+
+pytestmark = pytest.mark.skipif(is_release(), reason="releases are made from the instructors' repository")
+RUBRIC = load_rubric()
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    out = tmp_path_factory.mktemp("release") / "tinytrain"
+    make_release(out)
+    return out
+
+
+def test_release_has_no_solution_and_defaults_to_assignments(release):
+    assert (release / "grader" / "RELEASE").exists()
+    assert not (release / "tests" / "grader").exists(), "the grader's own tests contain solution code"
+    for a in RUBRIC.assignments.values():
+        ref = (release / a.reference).read_text()
+        assert not [ln for ln in ref.splitlines() if BEGIN.match(ln)]
+        for task in a.tasks:
+            assert f'raise NotImplementedError("TODO {task.id}:' in ref
+        assert (release / a.file).read_text() == (ROOT / a.file).read_text()
+        assert (release / "grader" / "rubric.toml").exists()
+    for path in release.rglob("*.py"):
+        if "grader" not in path.relative_to(release).parts:
+            assert not [ln for ln in path.read_text().splitlines() if BEGIN.match(ln)], path
+
+
+def test_release_refuses_an_existing_folder(release):
+    with pytest.raises(FileExistsError, match="already exists"):
+        make_release(release)
+
+
+def test_release_suite_passes_with_stand_ins_and_todo_stubs(release):
+    """In the copy: graded tests are TODO, reference tests skipped, the framework works on stand-ins."""
+    env = mpi_environment()
+    cmd = ["mpirun", "-n", "4", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+           "tests/graded", "tests/distributed", "tests/harness"]
+    proc = subprocess.run(cmd, cwd=release, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "[reference]" not in out  # --impl defaults to assignments in a release
+    assert "TODO 1.1:" in out and "which this student copy does not contain" in out, out[-3000:]
+
+    grade = subprocess.run([sys.executable, "-m", "grader", "--out", "out", "--tasks", "1.*"], cwd=release,
+                           env=env, capture_output=True, text=True, timeout=300)
+    results = json.loads((release / "out" / "results.json").read_text())
+    assert grade.returncode == 0 and results["score"] == 0, grade.stdout + grade.stderr
+    assert all(t["output"].startswith("TODO") for t in results["tests"]), results
