@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b")
     par.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: 2 x --pp)")
     par.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved schedule)")
+    from tinytrain.parallel import dp_runner
+
+    dp_runner.add_arguments(par)  # --dp, --zero, --bucket-mb, --progress
     run.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -165,6 +168,9 @@ class SerialRunner:
     def clip_gradients(self, max_norm: float) -> float:
         return clip_grad_norm_(self.parameters(), max_norm)
 
+    def step(self, optimizer) -> None:
+        optimizer.step()
+
     def share_model(self) -> None:
         """Make the full, current model available on this rank (nothing to do here)."""
 
@@ -262,6 +268,10 @@ def plot_last_pipeline_step(spans, runner, args, out: Path) -> None:
 def make_runner(args, model):
     if args.pp < 1 or args.chunks < 1 or (args.microbatches is not None and args.microbatches < 1):
         raise ValueError("--pp, --chunks and --microbatches must be positive")
+    from tinytrain.parallel import dp_runner
+
+    if dp_runner.wanted(args):
+        return dp_runner.DataParallelRunner(model, args)
     if args.pp > 1:
         return PipelineRunner(model, args)
     if args.chunks != 1 or args.microbatches:
@@ -316,7 +326,7 @@ def run(args) -> int:
             loss_value = runner.forward_backward(x, y)
         grad_norm = runner.clip_gradients(args.grad_clip) if args.grad_clip else None
         lr = optimizer.lr
-        optimizer.step()
+        runner.step(optimizer)
         schedule.step()
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"loss became {loss_value} at step {step}; lower --lr or enable --grad-clip")
