@@ -174,8 +174,9 @@ class Zero:
                     s.grad *= max_norm / (norm + 1e-6)
         return norm
 
-    def step(self) -> None:
+    def step(self, optimizer=None) -> None:
         """Update my piece of every parameter, then (stages 1, 2) all-gather the full parameters."""
+        self.optimizer = optimizer or self.optimizer  # the training loop may hand it over late
         for s in self.shards:
             if s.grad is None:
                 continue
@@ -261,6 +262,16 @@ class Zero:
         frozen = sum(p.nbytes for p in self.module.parameters() if not p.requires_grad)
         return {"params": params, "grads": grads, "optimizer": optimizer,
                 "gathered_peak": self.peak_gathered_bytes, "frozen": frozen}
+
+    def optimizer_bytes_per_element(self) -> int:
+        """State bytes per parameter element (AdamW 8, SGD with momentum 4), measured."""
+        state = sum(a.nbytes for s in self.shards if s.state for a in s.state.values() if hasattr(a, "nbytes"))
+        return round(state / max(1, sum(s.stop - s.start for s in self.shards)))
+
+    def materialize(self) -> None:
+        """Stage 3: gather every full parameter into the model (until the next forward frees it)."""
+        for s in self.shards:
+            s.p.data = dist.all_gather(s.data, group=self.group, sizes=s.sizes).reshape(s.shape)
 
     def full_parameters(self) -> dict:
         """name -> full parameter array (stage 3 gathers them; all ranks must call)."""
