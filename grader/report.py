@@ -34,6 +34,7 @@ def _short(message: str) -> str:
     """The first line of a failure, without pytest's exception-class noise."""
     line = message.strip().splitlines()[0] if message.strip() else "failed"
     line = re.sub(r"^(\[rank \d+\] )?(AssertionError|Failed): ", r"\1", line)
+    line = re.sub(r"^(\[rank \d+\] )?(?:[a-z_]\w*\.)+([A-Z]\w*): ", r"\1\2: ", line)  # module path of the class
     return re.sub(r"^\[rank (\d+)\] (rank \1: )", r"\2", line)  # "[rank 2] rank 2: ..." says it twice
 
 
