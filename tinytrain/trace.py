@@ -145,3 +145,11 @@ def write_chrome(path: str, span_list: list[dict] | None = None) -> None:
     """Write ``span_list`` (default: this rank's spans) as Chrome trace JSON to ``path``."""
     with open(path, "w") as f:
         json.dump(to_chrome(_spans if span_list is None else span_list), f)
+
+
+def read_chrome(path: str) -> list[dict]:
+    """The spans of a file written by :func:`write_chrome` (the inverse of :func:`to_chrome`)."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return [{"name": e["name"], "cat": e["cat"], "rank": e["pid"], "start": e["ts"], "end": e["ts"] + e["dur"],
+             "args": e.get("args", {})} for e in events if e.get("ph") == "X"]

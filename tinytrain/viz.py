@@ -5,10 +5,9 @@
 
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: works on a machine with no screen
-import matplotlib.pyplot as plt  # noqa: E402
+# No backend is forced: on a machine without a screen matplotlib falls back to Agg (files only),
+# and in a notebook the inline backend shows the figures.
+import matplotlib.pyplot as plt
 
 
 def plot_loss_curve(metrics: dict, path, title: str | None = None) -> None:

@@ -1,0 +1,30 @@
+"""Every notebook in notebooks/ runs top to bottom without an error (as an instructor would run it)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from grader.run import mpi_environment
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path, tmp_path, monkeypatch):
+    # Under `mpirun -n 4 pytest` this process carries the launcher's variables; a kernel that
+    # inherited them would take itself for an MPI rank and die in MPI_Init. Start it clean.
+    clean = mpi_environment()
+    for name in set(os.environ) - set(clean):
+        monkeypatch.delenv(name)
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.read(path, as_version=4)
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors, errors
+    images = sum(1 for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {}))
+    assert images >= 3, f"{path.name} drew {images} figures"
