@@ -1,0 +1,281 @@
+# Assignment 2: Data parallel (handout: assignments/a2_data_parallel.md).
+# Generated from tinytrain/parallel/data_parallel.py by `python -m grader stubs`. Replace each
+# `raise NotImplementedError("TODO ...")` with your code; grade it with `python -m grader`.
+
+"""Data parallel: every rank holds the whole model and trains on its own rows of the batch.
+
+    global batch of N·B rows ── shard_rows(batch, rank, N) ──► rank r gets rows r·B .. (r+1)·B - 1
+
+             rank 0              rank 1                     rank N-1
+         ┌───────────┐       ┌───────────┐              ┌───────────┐
+         │ params W  │       │ params W  │     ...      │ params W  │  identical copies: rank 0's
+         │ optimizer │       │ optimizer │              │ optimizer │  are broadcast at the start
+         └───────────┘       └───────────┘              └───────────┘
+  forward   x_0 ─► loss_0      x_1 ─► loss_1               x_N-1 ─► loss_N-1      (no communication)
+  backward  g_0                g_1                         g_N-1
+            └─────────── all_reduce(avg): g = (g_0 + g_1 + ... + g_N-1) / N ──────────┘
+  step      W -= lr·g          W -= lr·g                   W -= lr·g    (same g: copies stay equal)
+
+Averaging the gradients of N equal shards gives the gradient of the mean loss over the whole
+batch, so N ranks with B rows each train exactly like one process with N·B rows.
+
+This chapter builds four versions, in the order a framework grew them:
+
+1. ``NaiveDDP`` (task 2.1): wait for backward to end, then all-reduce every gradient.
+2. ``BucketedDDP`` (task 2.2): gradients become complete one by one *during* backward (the
+   autograd engine calls a parameter's post-accumulate hook at that moment). Group them, in the
+   reverse of registration order (roughly the order backward produces them), into buckets of
+   ``bucket_mb`` megabytes and start an asynchronous all-reduce as soon as a bucket is full, so
+   communication runs while backward still computes the earlier layers::
+
+       backward:  [ layer L ][ layer L-1 ][ layer L-2 ] ... [ embeddings ]   wait   step
+       comm:              [ all_reduce bucket 0 ][ bucket 1 ]  ...  [ last bucket ]
+
+3. ``no_sync()`` (task 2.3): gradient accumulation. Micro-batches inside ``no_sync()`` only add
+   into ``.grad``; the next backward outside it communicates the sum once.
+4. ``ParameterServer`` (task 2.4): the design the ring replaced. One rank holds the parameters and
+   the optimizer; the others push their gradients to it and pull the new parameters back. Every
+   byte goes through the server: its traffic grows as 2(N-1)·|W| while a ring all-reduce sends
+   2(N-1)/N·|W| per rank, which stays below 2|W| however many ranks join.
+
+Frozen parameters (``requires_grad=False``) are never communicated. A tied weight (GPT's token
+embedding, also its output head) is one parameter: the engine fires its hook once, after both
+uses have added their gradient, so it is reduced once.
+
+The all-reduce uses the ring algorithm by default (``algo="ring"``), whose volume per rank is the
+textbook 2(N-1)/N of the buffer; ``algo=None`` lets tinytrain choose by message size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from tinytrain import distributed as dist
+from tinytrain import trace
+from tinytrain.backend import xp
+
+
+def broadcast_parameters(module, src: int = 0, group=None) -> None:
+    """Copy rank ``src``'s parameters into every rank's model, so all replicas start identical."""
+    for p in module.parameters():
+        dist.broadcast(p.data, src=src, group=group)
+
+
+def trainable(module) -> list:
+    """The parameters that get gradients; frozen ones (requires_grad=False) never travel."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+class _Replicated:
+    """What every all-reduce variant shares: the wrapped module, its group, ``no_sync()``."""
+
+    def __init__(self, module, group=None, algo: str | None = "ring"):
+        self.module, self.group, self.algo = module, group, algo
+        self.world_size = dist.get_world_size(group)
+        self.require_sync = True  # False inside no_sync(): gradients only accumulate locally
+        broadcast_parameters(module, group=group)
+        self.params = trainable(module)
+
+    def __call__(self, *args, **kwargs):
+        with trace.span("forward", cat="compute"):
+            return self.module(*args, **kwargs)
+
+    def __getattr__(self, name):  # model.config, model.eval(), ... reach the wrapped module
+        if name == "module":
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate into ``.grad``; the first one after communicates."""
+        raise NotImplementedError("TODO 2.3: Set self.require_sync to False for the with-block and restore the previous value afterwards (even on an exception).")
+
+    def backward(self, loss) -> None:
+        """``loss.backward()``, then (unless inside ``no_sync()``) average the gradients."""
+        with trace.span("backward", cat="compute"):
+            loss.backward()
+        if self.require_sync:
+            self.finish_gradient_sync()
+
+    def finish_gradient_sync(self) -> None:
+        raise NotImplementedError
+
+
+def _grad_or_zeros(p):
+    """A parameter that got no gradient on this rank still takes part: it contributes zeros."""
+    if p.grad is None:
+        p.grad = xp.zeros_like(p.data)
+    return p.grad
+
+
+# ================================================================================================
+# 1. Naive DDP: all-reduce every gradient after backward
+# ================================================================================================
+
+
+class NaiveDDP(_Replicated):
+    """One blocking all-reduce per parameter once backward has finished: simple, no overlap."""
+
+    def finish_gradient_sync(self) -> None:
+        raise NotImplementedError("TODO 2.1: For every parameter in self.params, all_reduce its gradient in place with op='avg' (use _grad_or_zeros, group=self.group, algo=self.algo).")
+
+
+# ================================================================================================
+# 2. Bucketed DDP: all-reduce buckets of gradients during backward
+# ================================================================================================
+
+
+class Bucket:
+    """A few parameters whose gradients travel together in one flat buffer."""
+
+    def __init__(self, params):
+        self.params = params
+        self.buffer = xp.zeros(sum(p.size for p in params), dtype=params[0].dtype)
+        self.ready: set[int] = set()  # ids of parameters whose gradient is complete
+        self.work = None  # the in-flight all_reduce
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+    def is_full(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+    def launch(self, group, algo) -> None:
+        """Copy the gradients into the buffer and start averaging it; returns at once."""
+        offset = 0
+        for p in self.params:
+            self.buffer[offset:offset + p.size] = _grad_or_zeros(p).reshape(-1)
+            offset += p.size
+        self.work = dist.all_reduce(self.buffer, op="avg", group=group, async_op=True, algo=algo)
+
+    def finish(self) -> None:
+        """Wait for the all-reduce and copy the averaged gradients back into ``.grad``."""
+        self.work.wait()
+        offset = 0
+        for p in self.params:
+            p.grad[...] = self.buffer[offset:offset + p.size].reshape(p.shape)
+            offset += p.size
+        self.ready.clear()
+        self.work = None
+
+
+def make_buckets(params, bucket_bytes: int) -> list[Bucket]:
+    """Consecutive groups of ``params`` of at most ``bucket_bytes`` each (a bigger parameter
+    gets a bucket of its own). Every rank builds the same buckets from the same model."""
+    buckets, current, size = [], [], 0
+    for p in params:
+        if current and size + p.nbytes > bucket_bytes:
+            buckets.append(Bucket(current))
+            current, size = [], 0
+        current.append(p)
+        size += p.nbytes
+    if current:
+        buckets.append(Bucket(current))
+    return buckets
+
+
+class BucketedDDP(_Replicated):
+    """All-reduce gradients in buckets, each as soon as it is full, while backward continues.
+
+    The async all-reduces move only when polled: pass ``poll=True`` (each hook calls
+    ``dist.progress_all()``) or start ``dist.start_progress_thread()``. Without either, a bucket's
+    first step is posted at launch and the rest runs in the final wait (no overlap).
+    """
+
+    def __init__(self, module, bucket_mb: float = 25.0, group=None, algo: str | None = "ring", poll: bool = False):
+        super().__init__(module, group, algo)
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket size must be positive, got {bucket_mb} MB")
+        self.poll = poll
+        # Reverse registration order: the last layers' gradients are ready first in backward.
+        self.buckets = make_buckets(self.params[::-1], int(bucket_mb * 2**20))
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.next_to_launch = 0
+        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+
+    def _grad_ready(self, p) -> None:
+        """Called by the autograd engine the moment ``p.grad`` is complete for this backward."""
+        if not self.require_sync:
+            return  # no_sync(): let the gradient accumulate; the last micro-batch communicates
+        raise NotImplementedError("TODO 2.2: Add id(p) to its bucket's ready set (error if it is already there), then launch every full bucket in bucket order; poll with dist.progress_all() if self.poll.")
+
+    def _launch_full_buckets(self) -> None:
+        # Strictly in bucket order: every rank must start its collectives in the same order, even
+        # if (say) bucket 2 filled up before bucket 1 on one rank.
+        while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].is_full():
+            self.buckets[self.next_to_launch].launch(self.group, self.algo)
+            self.next_to_launch += 1
+
+    def finish_gradient_sync(self) -> None:
+        """Launch what backward did not fill (unused parameters), then wait for every bucket."""
+        raise NotImplementedError("TODO 2.2: Mark every parameter of not-yet-launched buckets ready and launch them; then finish() every bucket and reset next_to_launch.")
+
+    def remove_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+# ================================================================================================
+# 3. Parameter server: push gradients to one rank, pull parameters back
+# ================================================================================================
+
+_PUSH, _PULL = 21, 22  # message tags
+
+
+def _flatten(arrays):
+    return xp.concatenate([a.reshape(-1) for a in arrays]) if arrays else xp.zeros(0, xp.float32)
+
+
+def _unflatten_into(flat, arrays) -> None:
+    offset = 0
+    for a in arrays:
+        a[...] = flat[offset:offset + a.size].reshape(a.shape)
+        offset += a.size
+
+
+class ParameterServer:
+    """Rank ``server`` owns the parameters and the optimizer; every rank computes gradients.
+
+        worker 1 ──push g_1──►┐                   ┌──pull W──► worker 1
+        worker 2 ──push g_2──►│  server: g = mean │──pull W──► worker 2
+        ...                   │  of all g_i, then │   ...
+        worker N-1 ─push ────►┘  optimizer.step() └──pull W──► worker N-1
+
+    The server also trains on its own rows, so the result equals the serial run. Only the server
+    ever creates optimizer state. Its link carries (N-1) gradients in and (N-1) copies of the
+    parameters out per step: the bottleneck that all-reduce removes.
+    """
+
+    def __init__(self, module, optimizer, server: int = 0, group=None):
+        self.module, self.optimizer, self.server, self.group = module, optimizer, server, group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.params = trainable(module)
+        self._pull()  # everyone starts from the server's parameters
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name == "module":
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+    @property
+    def workers(self) -> list[int]:
+        return [r for r in range(self.world_size) if r != self.server]
+
+    def backward(self, loss) -> None:
+        with trace.span("backward", cat="compute"):
+            loss.backward()
+
+    def step(self) -> None:
+        """Push gradients, update on the server, pull parameters (replaces ``optimizer.step()``)."""
+        self._push_and_update()
+        self._pull()
+
+    def _push_and_update(self) -> None:
+        raise NotImplementedError("TODO 2.4: Workers send their flattened gradients to the server (tag _PUSH); the server receives one buffer per worker, adds them to its own in rank order, divides by the world size, writes them into .grad and calls optimizer.step().")
+
+    def _pull(self) -> None:
+        raise NotImplementedError("TODO 2.4: The server sends its flattened parameters to every worker (tag _PULL); each worker receives them and copies them into its parameters.")
