@@ -141,7 +141,9 @@ def plot_timeline(spans: list[dict], path, title: str | None = None) -> None:
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
-    handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in _SPAN_COLORS.items()]
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=c, label=k) for k, c in _SPAN_COLORS.items()]
     ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=3)
     ax.set_title(title or "timeline: compute (top of each row) and communication (bottom)")
     fig.tight_layout()
