@@ -96,7 +96,7 @@ def grade(args) -> int:
     scores = report.score_tasks(tasks, results, problems)
     for s in scores:
         if s.task.assignment in refused:
-            s.reason = refused[s.task.assignment].splitlines()[0] + " (see above)"
+            s.reason = refused[s.task.assignment].splitlines()[0]
     print(report.table(scores))
     for p in problems:
         print(f"\nproblem: {p}")

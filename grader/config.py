@@ -70,7 +70,7 @@ class Rubric:
 
     def select(self, patterns: list[str] | None) -> list[Task]:
         """Tasks whose id matches any of the glob ``patterns`` ("1.*", "1.3"); all when None."""
-        tasks = list(self.tasks.values())
+        tasks = sorted(self.tasks.values(), key=lambda t: tuple(int(x) for x in t.id.split(".")))
         patterns = [p for item in patterns or [] for p in item.split(",") if p]
         if not patterns:
             return tasks

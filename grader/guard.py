@@ -43,7 +43,12 @@ def problems(a: Assignment, root: Path = ROOT, path: Path | None = None) -> list
     ref_mod = a.reference_module
     package, _, leaf = ref_mod.rpartition(".")
     reexported = _defined_names(ast.parse((root / a.reference).read_text())) - {"annotations"}
-    tree = ast.parse(path.read_text(), str(path))
+    if not path.exists():
+        return [f"{path} does not exist (`python -m grader stubs` generates it from the reference)"]
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except SyntaxError:
+        return []  # not a refusal: the graded tests will report the syntax error with its line
     found, aliases = [], set()  # aliases: local names bound to the package (e.g. `dist`)
     # Comparing with the name is fine (`__name__ == "tinytrain.distributed.collectives"`).
     compared = {id(n) for c in ast.walk(tree) if isinstance(c, ast.Compare) for n in [c.left, *c.comparators]}
@@ -92,6 +97,11 @@ def check(a: Assignment, root: Path = ROOT, path: Path | None = None) -> None:
 
 
 def refusal(a: Assignment, found: list[str]) -> str:
+    """First line: the first problem (it goes into the score table); then all of them."""
+    if len(found) == 1 and "does not exist" in found[0]:
+        return f"cannot grade {a.file}: {found[0]}"
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     lines = "\n  ".join(found)
-    return (f"refusing to grade {a.file}: it must contain its own implementation, but\n  {lines}\n"
+    return (f"refusing to grade {a.file}: {found[0]}{more}\n"
+            f"An assignment must contain its own implementation, but\n  {lines}\n"
             "Remove these and use only point-to-point messages (c.exchange(...), tinytrain.distributed.p2p).")

@@ -32,7 +32,16 @@ class TaskScore:
 
 def _short(message: str) -> str:
     """The first line of a failure, without pytest's exception-class noise."""
-    line = message.strip().splitlines()[0] if message.strip() else "failed"
+    lines = message.strip().splitlines() or ["failed"]
+    line = lines[0]
+    errors = [ln for ln in lines if re.match(r"^\w+(Error|Exception): ", ln)]
+    where = re.search(r'File "([^"]+)", line (\d+)', message)
+    if errors and not re.search(r"\w+(Error|Exception|Timeout|Failure|Mismatch): ", line):
+        # e.g. a SyntaxError: pytest's message starts with the file, the error comes last
+        rank = re.match(r"^\[rank \d+\] ", line)
+        line = (rank.group(0) if rank else "") + errors[-1]
+        if where:
+            line += f" ({where.group(1).rsplit('/', 1)[-1]}, line {where.group(2)})"
     line = re.sub(r"^(\[rank \d+\] )?(AssertionError|Failed): ", r"\1", line)
     line = re.sub(r"^(\[rank \d+\] )?(?:[a-z_]\w*\.)+([A-Z]\w*): ", r"\1\2: ", line)  # module path of the class
     return re.sub(r"^\[rank (\d+)\] (rank \1: )", r"\2", line)  # "[rank 2] rank 2: ..." says it twice

@@ -70,16 +70,18 @@ def stubs_run(tmp_path_factory):
 
 def test_reference_scores_full_marks_on_every_task(reference_run):
     results, text = reference_run
-    assert results["score"] == results["max_score"] == 100, text
+    assert results["score"] == results["max_score"] == 100 * len(RUBRIC.assignments), text
     assert {t["number"] for t in results["tests"]} == set(RUBRIC.tasks)
     assert all(t["status"] == "passed" and t["score"] == t["max_score"] for t in results["tests"]), text
 
 
 def test_stubs_score_zero_with_every_task_todo(stubs_run, tmp_path):
     results, text = stubs_run
-    assert results["score"] == 0 and results["max_score"] == 100, text
+    assert results["score"] == 0 and results["max_score"] == 100 * len(RUBRIC.assignments), text
     for task in results["tests"]:
-        assert task["output"].startswith(f"TODO: TODO {task['number']}:"), task["output"]
+        assert task["output"].startswith("TODO: TODO "), task["output"]
+    for task in A1.tasks:
+        assert by_task(results)[task.id]["output"].startswith(f"TODO: TODO {task.id}:")
     assert text.count(" TODO\n") == len(RUBRIC.tasks), text  # the table's result column
 
 
@@ -135,7 +137,7 @@ def test_grader_refuses_an_assignment_that_imports_the_reference(tmp_path):
     folder.mkdir()
     cheat = assignment_text(A1, RUBRIC) + "\nfrom tinytrain.distributed.collectives import _ring_reduce_scatter\n"
     (folder / Path(A1.file).name).write_text(cheat)
-    results, text = grade(tmp_path, "--assignments", str(folder))
+    results, text = grade(tmp_path, "--assignments", str(folder), "--tasks", "1.*")
     assert results["score"] == 0, text
     assert "refusing to grade" in text and "imports from tinytrain.distributed.collectives" in text, text
     assert all("refusing" in t["output"] for t in results["tests"]), results
@@ -167,9 +169,20 @@ def test_crash_and_hang_cost_only_their_own_tasks(tmp_path):
     folder = tmp_path / "crashy"
     folder.mkdir()
     (folder / Path(A1.file).name).write_text(text)
-    results, out = grade(tmp_path, "--assignments", str(folder), "--timeout", "8")
+    results, out = grade(tmp_path, "--assignments", str(folder), "--timeout", "8", "--tasks", "1.*")
     rows = by_task(results)
     assert [rows[t]["status"] for t in ("1.1", "1.2", "1.3")] == ["passed"] * 3, out
     assert results["score"] == 60, out
     assert "crashed" in rows["1.4"]["output"], rows["1.4"]["output"]
     assert "hung" in rows["1.5"]["output"], rows["1.5"]["output"]
+
+
+def test_syntax_error_in_the_assignment_fails_its_tasks_with_the_line(tmp_path):
+    folder = tmp_path / "typo"
+    folder.mkdir()
+    text = insert_after_docstring(assignment_text(A1, RUBRIC, solved=True), "_broadcast_tree", "x = (")
+    (folder / Path(A1.file).name).write_text(text)
+    results, out = grade(tmp_path, "--assignments", str(folder), "--tasks", "1.5")
+    row = by_task(results)["1.5"]
+    assert row["status"] == "failed" and "SyntaxError" in row["output"] and "a1_collectives.py" in row["output"], out
+    assert "SyntaxError" in out and "line " in out  # the table's one line names it too
