@@ -23,7 +23,7 @@ from tinytrain.data import shard_rows
 from tinytrain.parallel.data_parallel import BucketedDDP, NaiveDDP, ParameterServer, make_buckets, trainable
 
 TOL = {"sgd": dict(rtol=1e-5, atol=1e-6), "adamw": dict(rtol=1e-4, atol=2e-4)}
-STEPS, ROWS = 3, 16
+STEPS, ROWS = 2, 16
 
 
 def wrap(kind: str, model, opt, **kw):

