@@ -66,39 +66,48 @@ def trainable(module) -> list:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-class _Replicated:
-    """What every all-reduce variant shares: the wrapped module, its group, ``no_sync()``."""
+class Wrapper:
+    """Holds ``module``; ``wrapper(x)`` runs it and ``wrapper.config``, ``.eval()``... reach it."""
 
-    def __init__(self, module, group=None, algo: str | None = "ring"):
-        self.module, self.group, self.algo = module, group, algo
-        self.world_size = dist.get_world_size(group)
-        self.require_sync = True  # False inside no_sync(): gradients only accumulate locally
-        broadcast_parameters(module, group=group)
-        self.params = trainable(module)
+    def __init__(self, module):
+        self.module = module
 
     def __call__(self, *args, **kwargs):
         with trace.span("forward", cat="compute"):
             return self.module(*args, **kwargs)
 
-    def __getattr__(self, name):  # model.config, model.eval(), ... reach the wrapped module
-        if name == "module":
+    def __getattr__(self, name):
+        if name == "module":  # not set yet: no endless recursion
             raise AttributeError(name)
         return getattr(self.module, name)
+
+    def backward(self, loss) -> None:
+        with trace.span("backward", cat="compute"):
+            loss.backward()
+        self.after_backward()
+
+    def after_backward(self) -> None:
+        """What the strategy does once backward has finished (nothing by default)."""
+
+
+class _Replicated(Wrapper):
+    """What every all-reduce variant shares: the group, identical start, ``no_sync()``."""
+
+    def __init__(self, module, group=None, algo: str | None = "ring"):
+        super().__init__(module)
+        self.group, self.algo = group, algo
+        self.require_sync = True  # False inside no_sync(): gradients only accumulate locally
+        broadcast_parameters(module, group=group)
+        self.params = trainable(module)
 
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside only accumulate into ``.grad``; the first one after communicates."""
         raise NotImplementedError("TODO 2.3: Set self.require_sync to False for the with-block and restore the previous value afterwards (even on an exception).")
 
-    def backward(self, loss) -> None:
-        """``loss.backward()``, then (unless inside ``no_sync()``) average the gradients."""
-        with trace.span("backward", cat="compute"):
-            loss.backward()
-        if self.require_sync:
+    def after_backward(self) -> None:
+        if self.require_sync:  # inside no_sync() gradients only accumulate
             self.finish_gradient_sync()
-
-    def finish_gradient_sync(self) -> None:
-        raise NotImplementedError
 
 
 def _grad_or_zeros(p):
@@ -234,7 +243,7 @@ def _unflatten_into(flat, arrays) -> None:
         offset += a.size
 
 
-class ParameterServer:
+class ParameterServer(Wrapper):
     """Rank ``server`` owns the parameters and the optimizer; every rank computes gradients.
 
         worker 1 ──push g_1──►┐                   ┌──pull W──► worker 1
@@ -248,26 +257,15 @@ class ParameterServer:
     """
 
     def __init__(self, module, optimizer, server: int = 0, group=None):
-        self.module, self.optimizer, self.server, self.group = module, optimizer, server, group
+        super().__init__(module)
+        self.optimizer, self.server, self.group = optimizer, server, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.params = trainable(module)
         self._pull()  # everyone starts from the server's parameters
 
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def __getattr__(self, name):
-        if name == "module":
-            raise AttributeError(name)
-        return getattr(self.module, name)
-
     @property
     def workers(self) -> list[int]:
         return [r for r in range(self.world_size) if r != self.server]
-
-    def backward(self, loss) -> None:
-        with trace.span("backward", cat="compute"):
-            loss.backward()
 
     def step(self) -> None:
         """Push gradients, update on the server, pull parameters (replaces ``optimizer.step()``)."""

@@ -53,7 +53,7 @@ from tinytrain import distributed as dist
 from tinytrain import trace
 from tinytrain.autograd import Function, Tensor, enable_grad, no_grad
 from tinytrain.backend import xp
-from tinytrain.parallel.data_parallel import broadcast_parameters, trainable
+from tinytrain.parallel.data_parallel import Wrapper, broadcast_parameters, trainable
 
 _EMPTY = xp.zeros(0, dtype=xp.float32)  # what a stage-3 parameter holds between uses
 
@@ -76,7 +76,7 @@ class ShardedParam:
         return full.reshape(-1)[self.start:self.stop]
 
 
-class Zero:
+class Zero(Wrapper):
     """ZeRO stage 1, 2 or 3 around ``module`` with the update rule of ``optimizer`` (SGD or AdamW).
 
     Use it like DDP: ``loss = zero(x) ...; zero.backward(loss); zero.step()`` (and
@@ -87,7 +87,8 @@ class Zero:
     def __init__(self, module, optimizer, stage: int = 1, group=None, units=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
-        self.module, self.optimizer, self.stage, self.group = module, optimizer, stage, group
+        super().__init__(module)
+        self.optimizer, self.stage, self.group = optimizer, stage, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         broadcast_parameters(module, group=group)  # same start everywhere, then shard
         self.shards = [ShardedParam(p, self.rank, self.world_size) for p in trainable(module)]
@@ -102,12 +103,7 @@ class Zero:
             self._shard_parameters(units if units is not None else gpt_units(module))
 
     def __call__(self, *args, **kwargs):
-        return self._forward_stage3(*args) if self.stage == 3 else self.module(*args, **kwargs)
-
-    def __getattr__(self, name):  # model.config, model.eval(), ... reach the wrapped module
-        if name == "module":
-            raise AttributeError(name)
-        return getattr(self.module, name)
+        return self._forward_stage3(*args) if self.stage == 3 else super().__call__(*args, **kwargs)
 
     # --- gradients: reduce-scatter into pieces --------------------------------------------------
 
@@ -136,9 +132,7 @@ class Zero:
         s = self.shard_of[id(p)]
         raise NotImplementedError("TODO 3.2: If p.grad is None use zeros; launch an async reduce-scatter of p's gradient (self._reduce_scatter), append (s, work) to self.pending, then set p.grad = None.")
 
-    def backward(self, loss) -> None:
-        with trace.span("backward", cat="compute"):
-            loss.backward()
+    def after_backward(self) -> None:
         self.finish_gradient_sync()
 
     def finish_gradient_sync(self) -> None:
