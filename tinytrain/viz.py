@@ -120,23 +120,35 @@ def plot_activation_memory(series: dict, path=None, title: str = "activation mem
     return fig
 
 
-_SPAN_COLORS = {"compute": "#4c72b0", "comm": "#dd8452", "idle": "#b0b0b0", "other": "#55a868"}
+_SPAN_COLORS = {"compute": "#4c72b0", "idle": "#b0b0b0", "comm": "#dd8452", "comm step": "#8c3b0c"}
+
+
+def _lane(cat: str) -> tuple[str, float, float]:
+    """(legend key, y offset in the rank's row, bar height) of a span category."""
+    if cat == "comm":  # a whole collective, from its call to its completion
+        return "comm", 0.42, 0.38
+    if cat.startswith("comm"):  # one step (one exchange) of it, drawn inside the call's bar
+        return "comm step", 0.52, 0.18
+    if cat == "idle":
+        return "idle", 0.0, 0.38
+    return "compute", 0.0, 0.38  # compute, forward, backward, ...
 
 
 def plot_timeline(spans: list[dict], path, title: str | None = None) -> None:
     """Per-rank timeline of trace spans (``tinytrain.trace.merge()``): compute (and idle) on the upper
     half of a rank's row, communication on the lower half, so overlap shows as bars stacked in one
-    column. Communication spans run from the call to its completion."""
+    column. A collective's bar runs from its call to its completion; its steps are the dark marks."""
+    spans = [s for s in spans if s["cat"] not in ("memory", "step")]  # instants and whole-step markers
     if not spans:
         raise ValueError("plot_timeline needs at least one span (was tracing enabled?)")
     t0 = min(s["start"] for s in spans)
     ranks = sorted({s["rank"] for s in spans})
     fig, ax = plt.subplots(figsize=(9, 0.8 + 0.7 * len(ranks)), dpi=120)
-    for s in spans:
-        row = ranks.index(s["rank"])
-        y = row + (0.42 if s["cat"] == "comm" else 0.0)  # the y axis is inverted: comm below
-        ax.broken_barh([((s["start"] - t0) / 1e3, max((s["end"] - s["start"]) / 1e3, 1e-3))], (y, 0.38),
-                       facecolors=_SPAN_COLORS.get(s["cat"], _SPAN_COLORS["other"]), edgecolor="white", linewidth=0.3)
+    for s in sorted(spans, key=lambda s: _lane(s["cat"])[2], reverse=True):  # steps on top of calls
+        key, offset, height = _lane(s["cat"])
+        ax.broken_barh([((s["start"] - t0) / 1e3, max((s["end"] - s["start"]) / 1e3, 1e-3))],
+                       (ranks.index(s["rank"]) + offset, height), facecolors=_SPAN_COLORS[key],
+                       edgecolor="white", linewidth=0.3)
     ax.set_yticks([i + 0.4 for i in range(len(ranks))])
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()
