@@ -221,10 +221,11 @@ class PipelineStep:
 
     ``x`` and ``y`` are the (data-parallel rank's) batch; row block i is micro-batch i. Each
     micro-batch's loss is its summed cross-entropy divided by the number of counted targets in the
-    whole batch, so the sum over micro-batches is exactly the serial mean loss.
+    whole batch (``n_targets``; default: those in ``y``), so the sum over micro-batches is exactly
+    the serial mean loss.
     """
 
-    def __init__(self, stage: PipelineStage, actions, x, y, microbatches: int):
+    def __init__(self, stage: PipelineStage, actions, x, y, microbatches: int, n_targets: int | None = None):
         if x.shape[0] % microbatches:
             raise ValueError(f"a batch of {x.shape[0]} rows does not split into {microbatches} micro-batches; "
                              f"use a batch that is a multiple of {microbatches}")
@@ -232,7 +233,7 @@ class PipelineStep:
         rows = x.shape[0] // microbatches
         self.x = [x[i * rows:(i + 1) * rows] for i in range(microbatches)]
         self.y = [y[i * rows:(i + 1) * rows] for i in range(microbatches)]
-        self.n_targets = int((xp.asarray(y) != -100).sum())
+        self.n_targets = n_targets or int((xp.asarray(y) != -100).sum())
         cfg = stage.model.config
         self.act_shape = (rows, x.shape[1], cfg.n_embd)
         self.received: dict = {}  # (mb, chunk) -> leaf Tensor (not on virtual stage 0)
@@ -283,13 +284,13 @@ class PipelineStep:
             self.pending.append(send_gradient(leaf, st.peer(k - 1), _tag(mb, k - 1, st.n_virtual, True), st.group))
 
 
-def train_step(stage: PipelineStage, actions, x, y, microbatches: int):
+def train_step(stage: PipelineStage, actions, x, y, microbatches: int, n_targets: int | None = None):
     """Forward and backward of one batch under ``actions`` (this stage's list of the schedule).
 
     Returns ``(loss, step)``: the batch's mean loss on the last stage (None elsewhere) and the
     PipelineStep, whose ``memory`` holds the activation bytes after each action.
     """
-    step = PipelineStep(stage, actions, x, y, microbatches)
+    step = PipelineStep(stage, actions, x, y, microbatches, n_targets)
     return step.run(), step
 
 

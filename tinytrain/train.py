@@ -179,7 +179,14 @@ class SerialRunner:
 
 
 class PipelineRunner(SerialRunner):
-    """``--pp N``: each rank is one stage; micro-batches flow through the schedule's actions."""
+    """``--pp P [--dp D]``: each rank is one stage of one of D pipeline replicas.
+
+    With D > 1 the ranks form a mesh ``{"dp": D, "pp": P}`` (stages of a replica are neighbours,
+    the innermost axis): replica d trains on its rows of the global batch, and after backward each
+    stage sums its gradients with the same stage of the other replicas (an all-reduce over the DP
+    group). Each micro-batch's loss is divided by the number of targets in the *global* batch, so
+    that sum is exactly the serial gradient.
+    """
 
     saves_optimizer = False  # each stage holds its own optimizer state
 
@@ -188,37 +195,56 @@ class PipelineRunner(SerialRunner):
         from tinytrain.parallel.pipeline import PipelineStage, make_schedule
 
         dist.init()
-        if dist.get_world_size() != args.pp:
-            raise ValueError(f"--pp {args.pp} needs exactly {args.pp} ranks: run `mpirun -n {args.pp} tinytrain train --pp {args.pp} ...` "
-                             f"(this run has {dist.get_world_size()})")
-        self.model, self.dist = model, dist
-        self.microbatches = args.microbatches or 2 * args.pp
-        if args.batch_size % self.microbatches:
-            raise ValueError(f"--batch-size {args.batch_size} does not split into {self.microbatches} micro-batches; "
-                             f"use a multiple of {self.microbatches}")
-        self.schedule = make_schedule(args.schedule, args.pp, self.microbatches, args.chunks)
-        self.stage = PipelineStage(model, args.pp, args.chunks)
+        dp, pp = getattr(args, "dp", 1), args.pp
+        if getattr(args, "zero", 0):
+            raise ValueError("--zero with --pp is not supported; use plain --dp with --pp")
+        if dist.get_world_size() != dp * pp:
+            raise ValueError(f"--dp {dp} --pp {pp} needs exactly {dp * pp} ranks: run `mpirun -n {dp * pp} tinytrain "
+                             f"train --pp {pp}{f' --dp {dp}' if dp > 1 else ''} ...` (this run has {dist.get_world_size()})")
+        self.model, self.dist, self.dp = model, dist, dp
+        self.microbatches = args.microbatches or 2 * pp
+        if args.batch_size % (dp * self.microbatches):
+            per = f"{dp} replicas x {self.microbatches}" if dp > 1 else f"{self.microbatches}"
+            raise ValueError(f"--batch-size {args.batch_size} does not split into {per} micro-batches; "
+                             f"use a multiple of {dp * self.microbatches}")
+        if dp > 1:
+            mesh = dist.DeviceMesh({"dp": dp, "pp": pp})
+            self.dp_rank, self.dp_group, pp_group = mesh.coordinate("dp"), mesh.get_group("dp"), mesh.get_group("pp")
+        else:
+            self.dp_rank, self.dp_group, pp_group = 0, None, None
+        self.schedule = make_schedule(args.schedule, pp, self.microbatches, args.chunks)
+        self.stage = PipelineStage(model, pp, args.chunks, group=pp_group)
         self.actions = self.schedule[self.stage.rank]
-        self.is_main = self.stage.rank == 0
+        self.is_main = dist.get_rank() == 0
 
     def parameters(self):
         return self.stage.parameters()
 
     def forward_backward(self, x, y) -> float:
+        from tinytrain.data import IGNORE, shard_rows
         from tinytrain.parallel.pipeline import train_step
 
-        loss, _ = train_step(self.stage, self.actions, x, y, self.microbatches)
-        # the loss lives on the last stage; rank 0 reports it
+        targets = int((y != IGNORE).sum())  # in the global batch
+        x, y = shard_rows(x, self.dp_rank, self.dp), shard_rows(y, self.dp_rank, self.dp)
+        loss, _ = train_step(self.stage, self.actions, x, y, self.microbatches, n_targets=targets)
         buf = xp.asarray([loss if loss is not None else 0.0], dtype=xp.float64)
+        if self.dp > 1:
+            for p in self.parameters():  # replicas of a stage add their gradients
+                if p.grad is None:
+                    p.grad = xp.zeros_like(p.data)
+                self.dist.all_reduce(p.grad, group=self.dp_group)
+            self.dist.all_reduce(buf, group=self.dp_group)  # each replica's share of the global loss
+        # the loss lives on the last stage (of replica 0); rank 0 reports it
         self.dist.broadcast(buf, src=self.stage.stages - 1)
         return float(buf[0])
 
     def clip_gradients(self, max_norm: float) -> float:
         # The global norm adds every stage's squares; the tied embedding, held twice, counts once.
+        # Replicas hold the same (summed) gradients, so the pipeline group alone gives the norm.
         params = self.parameters()
         counted = [p for p in params if not (self.stage.is_last and not self.stage.is_first and p is self.model.wte.weight)]
         sq = xp.asarray([sum(float((p.grad.astype(xp.float64) ** 2).sum()) for p in counted if p.grad is not None)])
-        self.dist.all_reduce(sq)
+        self.dist.all_reduce(sq, group=self.stage.group)
         return clip_grad_norm_(params, max_norm, total_norm=math.sqrt(float(sq[0])))
 
     def share_model(self) -> None:
@@ -270,10 +296,10 @@ def make_runner(args, model):
         raise ValueError("--pp, --chunks and --microbatches must be positive")
     from tinytrain.parallel import dp_runner
 
-    if dp_runner.wanted(args):
-        return dp_runner.DataParallelRunner(model, args)
     if args.pp > 1:
         return PipelineRunner(model, args)
+    if dp_runner.wanted(args):
+        return dp_runner.DataParallelRunner(model, args)
     if args.chunks != 1 or args.microbatches:
         raise ValueError("--chunks and --microbatches need --pp > 1")
     return SerialRunner(model)

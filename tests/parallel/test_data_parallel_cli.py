@@ -42,7 +42,8 @@ def test_dp2_losses_match_the_serial_run(tmp_path, zero, capsys):
     (["--dp", "2", "--batch-size", "7"], "does not split over 2 ranks"),
     (["--dp", "2", "--zero", "3", "--dropout", "0.1"], "needs --dropout 0"),
     (["--dp", "2", "--bucket-mb", "0"], "--bucket-mb must be positive"),
-    (["--dp", "2", "--pp", "2"], "not supported"),
+    (["--dp", "2", "--pp", "2"], "needs exactly 4 ranks"),
+    (["--dp", "2", "--zero", "1", "--pp", "2"], "--zero with --pp is not supported"),
 ])
 def test_impossible_settings_are_refused_with_what_to_change(tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):

@@ -35,9 +35,23 @@ def test_pipeline_training_matches_serial(tmp_path, extra):
     assert {e.get("pid") for e in events if e.get("name", "").startswith("F")} >= {0, 1}
 
 
+@pytest.mark.world_size(4)
+def test_data_parallel_pipelines_match_serial(tmp_path):
+    """--dp 2 --pp 2: two replicas of a two-stage pipeline, each on half of the global batch."""
+    out = tmp_path / "dp_pp"
+    assert main(["train", *TINY, "--dp", "2", "--pp", "2", "--microbatches", "2", "--dropout", "0", "--out", str(out)]) == 0
+    if dist.get_rank() != 0:
+        return
+    serial = tmp_path / "serial"
+    assert main(["train", *TINY, "--out", str(serial)]) == 0
+    np.testing.assert_allclose(losses(out), losses(serial), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.world_size(2)
 def test_pipeline_settings_are_checked(tmp_path, capsys):
     for bad, message in [(["--pp", "4"], "needs exactly 4 ranks"),
+                         (["--pp", "2", "--dp", "2"], "needs exactly 4 ranks"),
+                         (["--pp", "2", "--zero", "1"], "--zero with --pp is not supported"),
                          (["--pp", "2", "--microbatches", "3"], "does not split into 3 micro-batches"),
                          (["--pp", "2", "--chunks", "2"], "needs --schedule interleaved"),
                          (["--pp", "2", "--layers", "1"], "one would be empty")]:

@@ -38,8 +38,6 @@ class DataParallelRunner:
         if args.dp != n:
             raise ValueError(f"--dp {args.dp} must equal the number of ranks: run `mpirun -n {args.dp} tinytrain "
                              f"train --dp {args.dp} ...` (this run has {n})")
-        if getattr(args, "pp", 1) > 1:
-            raise ValueError("--dp with --pp is not supported yet; choose one of them")
         if args.batch_size % n:
             raise ValueError(f"--batch-size {args.batch_size} (the global batch) does not split over {n} ranks; "
                              f"use a multiple of {n}, e.g. {n * max(1, args.batch_size // n)}")
