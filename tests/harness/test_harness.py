@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from grader.run import mpi_environment
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FAULTS = '''
@@ -77,9 +79,9 @@ def test_09_fresh_communicator_sees_no_stray(monkeypatch):
 
 
 def clean_env(**extra):
-    """Our environment minus what an outer mpirun set, so the inner mpirun starts afresh."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL", "MPIR_CVAR_", "TINYTRAIN_"))}
+    """Our environment minus what an outer mpirun set (so the inner mpirun starts afresh) and
+    minus MPICH and tinytrain settings (so the inner run uses the defaults under test)."""
+    env = {k: v for k, v in mpi_environment().items() if not k.startswith(("MPIR_CVAR_", "TINYTRAIN_"))}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env["COLUMNS"] = "400"  # keep the short summary lines whole
     env.update(extra)
