@@ -27,7 +27,7 @@ from tinytrain.optim import AdamW
 
 CONFIGS = {
     # the default `tinytrain train` model on the addition task
-    "default": dict(model=dict(vocab_size=12, block_size=11, n_layer=2, n_head=4, n_embd=128), batch=64),
+    "default": dict(model=dict(vocab_size=12, block_size=8, n_layer=2, n_head=4, n_embd=128), batch=64),
     # wider and deeper, longer context: matmuls dominate
     "wide": dict(model=dict(vocab_size=96, block_size=64, n_layer=4, n_head=8, n_embd=512), batch=16),
 }
