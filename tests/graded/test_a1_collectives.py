@@ -12,12 +12,11 @@ compared exactly. A failure says which rank, which chunk and which index, in wor
 
 from __future__ import annotations
 
-import os
-import secrets
 
 import numpy as np
 import pytest
 
+from grader.seeds import grading_seed
 from tinytrain import distributed as dist
 from tinytrain.distributed._mpi import MPI
 
@@ -28,10 +27,7 @@ LARGE = 1 << 19
 
 
 def shared_seed() -> int:
-    """A seed drawn now on rank 0 and agreed by all ranks (or TINYTRAIN_GRADER_SEED)."""
-    fixed = os.environ.get("TINYTRAIN_GRADER_SEED")
-    mine = int(fixed) if fixed else secrets.randbits(31)
-    return int(dist.world().comm.bcast(mine, root=0))
+    return grading_seed()
 
 
 class Case:

@@ -11,12 +11,11 @@ replay with ``TINYTRAIN_GRADER_SEED=<seed>``.
 
 from __future__ import annotations
 
-import os
-import secrets
 
 import numpy as np
 import pytest
 
+from grader.seeds import grading_seed
 from tinytrain import distributed as dist
 from tinytrain import functional as F
 from tinytrain.backend import to_host, xp
@@ -30,9 +29,7 @@ TOL = {"sgd": dict(rtol=1e-5, atol=1e-6), "adamw": dict(rtol=1e-4, atol=2e-4)}
 
 class Case:
     def __init__(self, opt_kind="sgd"):
-        fixed = os.environ.get("TINYTRAIN_GRADER_SEED")
-        mine = int(fixed) if fixed else secrets.randbits(31)
-        self.seed = int(dist.world().comm.bcast(mine, root=0))
+        self.seed = grading_seed()
         self.opt_kind = opt_kind
 
     def model(self):

@@ -9,12 +9,11 @@ computation, and the whole pipeline by training a small GPT against a serial run
 
 from __future__ import annotations
 
-import os
-import secrets
 
 import numpy as np
 import pytest
 
+from grader.seeds import grading_seed
 from tinytrain import distributed as dist
 from tinytrain import functional as F
 from tinytrain.autograd import Tensor
@@ -25,11 +24,8 @@ from tinytrain.testing import assert_close
 
 
 def shared_rng():
-    """A generator every rank draws identically, from a seed drawn now (or TINYTRAIN_GRADER_SEED)."""
-    fixed = os.environ.get("TINYTRAIN_GRADER_SEED")
-    seed = int(fixed) if fixed else secrets.randbits(31)
-    if dist.is_initialized():
-        seed = int(dist.world().comm.bcast(seed, root=0))
+    """A generator every rank draws identically, and its seed (named in failure messages)."""
+    seed = grading_seed()
     return np.random.default_rng(seed), seed
 
 
