@@ -150,3 +150,77 @@ def test_sequence_not_divisible_is_refused():
     parallel = tp.tensor_parallel_gpt(tiny_gpt(), dist.world(), sequence_parallel=True)
     with pytest.raises(ValueError, match="sequence length.*= 6 does not split over .* 4 ranks"):
         parallel.loss(*[a[:, :6] for a in batch(0)])
+
+
+# --- measured, not claimed: bytes on the wire and bytes saved for backward, per block ---------------
+
+WIDTH, HEADS = 16, 4
+
+
+def one_block(t, sp, rank):
+    """Block 0 of the tiny GPT split over the world, and its input (my sequence shard under SP)."""
+    serial = tiny_gpt(dropout=0.1, n_head=HEADS, width=WIDTH, n_layer=1)
+    block = tp.ParallelBlock(serial.blocks[0], dist.world(), "blocks.0", sequence_parallel=sp)
+    x = np.random.default_rng(0).normal(size=(B, T, WIDTH)).astype(np.float32)
+    if sp:
+        x = np.split(x, t, axis=1)[rank]
+    return block, Tensor(xp.asarray(x), requires_grad=True)
+
+
+def tp_size_param(t):
+    return pytest.param(t, marks=pytest.mark.world_size(t), id=f"tp{t}")
+
+
+@pytest.mark.parametrize("t", [tp_size_param(2), tp_size_param(4)])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_block_communication_bytes_match_the_formula(t, sp):
+    block, x = one_block(t, sp, dist.get_rank())
+    _random.manual_seed(0)
+    g = dist.world().name
+    with dist.comm_stats() as fwd:
+        y = block(x)
+    with dist.comm_stats() as bwd:
+        y.sum().backward()
+    activation = B * T * WIDTH * 4  # one (B, T, C) float32 activation
+    ring_all_reduce = 2 * (t - 1) * activation // t  # bytes each rank sends in a ring all-reduce
+    for what, stats in (("forward", fwd), ("backward", bwd)):
+        # two all-reduces a pass (attention and MLP), or under SP the same bytes as
+        # all-gathers (entering a region) + reduce-scatters (leaving it, or their gradients)
+        sent = sum(stats.sent(op, group=g) for op in ("all_reduce", "all_gather", "reduce_scatter"))
+        assert sent == 2 * ring_all_reduce, f"{what}:\n{stats.table()}"
+        assert {op for _, op in stats.rows} <= {"all_reduce", "all_gather", "reduce_scatter", "debug_check"}
+        if sp:
+            assert stats.sent("all_reduce", group=g) == 0, f"{what}:\n{stats.table()}"
+            assert stats.sent("all_gather", group=g) == stats.sent("reduce_scatter", group=g) == ring_all_reduce
+        else:
+            assert stats.messages("all_reduce", group=g) == 2 * 2 * (t - 1), f"{what}: two ring all-reduces"
+
+
+def block_activation_bytes(t, rank, sp):
+    """Bytes saved for backward by one block's forward (dropout on), excluding parameters."""
+    block, x = one_block(t, sp, rank)
+    _random.manual_seed(0)
+    before = saved_bytes()
+    y = block(x)
+    held = saved_bytes() - before
+    del y
+    return held
+
+
+@pytest.mark.parametrize("t", [tp_size_param(2), tp_size_param(4)])
+def test_sequence_parallel_divides_the_replicated_activations_by_t(t):
+    """What one block saves (float32 4 bytes, dropout masks 1 byte, C=width, h=heads):
+
+    in the sequence regions R = 2 LayerNorms (x̂: 4BTC, 1/σ: 4BT) + 2 dropout masks (BTC),
+    in the parallel regions S = q/k/v and fc_1 inputs (4BTC each, all-gathered or copied: whole)
+        + q, k, v, attention output (4·4BTC/t) + probabilities (4B(h/t)T²)
+        + fc_1 output and its tanh (2·16BTC/t) + fc_2 input (16BTC/t).
+    TP keeps S + R on every rank, SP keeps S + R/t.
+    """
+    C, h = WIDTH, HEADS
+    R = 2 * (4 * B * T * C + 4 * B * T) + 2 * B * T * C
+    S = 2 * 4 * B * T * C + 4 * 4 * B * T * C // t + 4 * B * (h // t) * T * T + 3 * 16 * B * T * C // t
+    tp_bytes = block_activation_bytes(t, dist.get_rank(), sp=False)
+    sp_bytes = block_activation_bytes(t, dist.get_rank(), sp=True)
+    assert tp_bytes == S + R, f"TP block saved {tp_bytes} bytes, formula S + R = {S} + {R}"
+    assert sp_bytes == S + R // t, f"SP block saved {sp_bytes} bytes, formula S + R/t = {S} + {R // t}"

@@ -200,7 +200,8 @@ class ShardDropout(Function):
 
     @staticmethod
     def forward(ctx, x, p, generator, full_shape, index):
-        keep = (generator.random(full_shape, dtype=xp.float32) >= p)[index]
+        # copy: keep only my piece alive (a view would hold the whole mask for backward)
+        keep = (generator.random(full_shape, dtype=xp.float32) >= p)[index].copy()
         ctx.save_for_backward(keep)
         ctx.scale = x.dtype.type(1.0 / (1.0 - p))
         return x * keep * ctx.scale
