@@ -63,9 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b")
     par.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: 2 x --pp)")
     par.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved schedule)")
-    from tinytrain.parallel import dp_runner
+    from tinytrain.parallel import dp_runner, tp_runner
 
     dp_runner.add_arguments(par)  # --dp, --zero, --bucket-mb, --progress
+    tp_runner.add_arguments(par)  # --tp, --sp
     run.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -294,8 +295,10 @@ def plot_last_pipeline_step(spans, runner, args, out: Path) -> None:
 def make_runner(args, model):
     if args.pp < 1 or args.chunks < 1 or (args.microbatches is not None and args.microbatches < 1):
         raise ValueError("--pp, --chunks and --microbatches must be positive")
-    from tinytrain.parallel import dp_runner
+    from tinytrain.parallel import dp_runner, tp_runner
 
+    if tp_runner.wanted(args):
+        return tp_runner.TensorParallelRunner(model, args)
     if args.pp > 1:
         return PipelineRunner(model, args)
     if dp_runner.wanted(args):
