@@ -52,10 +52,13 @@ def parallel_step(model, step):
 
 def assert_matches_serial(parallel, serial, what, field="grad"):
     named = dict(serial.named_parameters())
+    # A gradient that should be 0 (the key bias: softmax ignores a per-query constant) holds
+    # float32 noise relative to the other gradients' size: allow 1e-5 of the largest one.
+    atol = ATOL + 1e-5 * max(float(np.abs(to_host(getattr(p, field))).max()) for p in serial.parameters())
     for p, name, axis, start, stop, _ in parallel.shards():
         full = getattr(named[name], field)
         want = full if axis is None else np.take(to_host(full), range(start, stop), axis=axis)
-        np.testing.assert_allclose(to_host(getattr(p, field)), to_host(want), rtol=RTOL, atol=ATOL,
+        np.testing.assert_allclose(to_host(getattr(p, field)), to_host(want), rtol=RTOL, atol=atol,
                                    err_msg=f"{what}: {field} of {name} (axis {axis}, [{start}:{stop}])")
 
 

@@ -186,12 +186,16 @@ class ScatterToSequenceRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
+        # BEGIN SOLUTION 4.5 "Keep my piece of the sequence axis 1."
         ctx.group = group
         return _my_piece(x, 1, group)
+        # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
+        # BEGIN SOLUTION 4.5 "All-gather the pieces' gradients along axis 1."
         return _all_gather(grad, 1, ctx.group), None
+        # END SOLUTION
 
 
 class ShardDropout(Function):
@@ -236,6 +240,11 @@ def _replicate(param, serial_name: str, sequence_parallel=False):
     return Parameter(param.data.copy()), (serial_name, None, None, None, sequence_parallel)
 
 
+def _join(prefix: str, name: str) -> str:
+    """The serial parameter's dotted name (``prefix`` empty for a layer built on its own)."""
+    return f"{prefix}.{name}" if prefix else name
+
+
 class Parallel(Module):
     """Shared settings: the TP group and whether activations between regions are sequence shards."""
 
@@ -264,11 +273,13 @@ class Parallel(Module):
         data-parallel replica holds only ``self.rows = (first row, global batch)``."""
         if not training or p == 0.0:
             return x
+        # BEGIN SOLUTION 4.5 "Full shape: (global batch, T·t under SP, C); index: my rows and (SP) my sequence positions; ShardDropout."
         n, r, T = dist.get_world_size(self.group), dist.get_rank(self.group), x.shape[1]
         full_T, seq = (T * n, slice(r * T, (r + 1) * T)) if self.sequence_parallel else (T, slice(None))
         first, batch = self.rows or (0, x.shape[0])
         index = (slice(first, first + x.shape[0]), seq)
         return ShardDropout.apply(x, p, _random.default_generator(), (batch, full_T) + x.shape[2:], index)
+        # END SOLUTION
 
 
 # --- 4.2 column and row parallel linear -----------------------------------------------------------
@@ -281,9 +292,9 @@ class ColumnParallelLinear(Parallel):
         super().__init__(group, sequence_parallel)
         _split_size(linear.out_features, f"{name or 'Linear'} output width", group)
         self.gather_output = gather_output
-        self.weight, self.sources["weight"] = _shard(linear.weight, 1, group, f"{name}.weight")
+        self.weight, self.sources["weight"] = _shard(linear.weight, 1, group, _join(name, "weight"))
         if linear.bias is not None:
-            self.bias, self.sources["bias"] = _shard(linear.bias, 0, group, f"{name}.bias")
+            self.bias, self.sources["bias"] = _shard(linear.bias, 0, group, _join(name, "bias"))
         else:
             self.bias = None
 
@@ -300,9 +311,9 @@ class RowParallelLinear(Parallel):
     def __init__(self, linear, group, name="", sequence_parallel=False):
         super().__init__(group, sequence_parallel)
         _split_size(linear.in_features, f"{name or 'Linear'} input width", group)
-        self.weight, self.sources["weight"] = _shard(linear.weight, 0, group, f"{name}.weight")
+        self.weight, self.sources["weight"] = _shard(linear.weight, 0, group, _join(name, "weight"))
         if linear.bias is not None:
-            self.bias, self.sources["bias"] = _replicate(linear.bias, f"{name}.bias", sequence_parallel)
+            self.bias, self.sources["bias"] = _replicate(linear.bias, _join(name, "bias"), sequence_parallel)
         else:
             self.bias = None
 
@@ -321,8 +332,8 @@ class ParallelMLP(Parallel):
 
     def __init__(self, mlp, group, name, sequence_parallel=False):
         super().__init__(group, sequence_parallel)
-        self.fc_1 = ColumnParallelLinear(mlp.fc_1, group, f"{name}.fc_1", sequence_parallel=sequence_parallel)
-        self.fc_2 = RowParallelLinear(mlp.fc_2, group, f"{name}.fc_2", sequence_parallel=sequence_parallel)
+        self.fc_1 = ColumnParallelLinear(mlp.fc_1, group, _join(name, "fc_1"), sequence_parallel=sequence_parallel)
+        self.fc_2 = RowParallelLinear(mlp.fc_2, group, _join(name, "fc_2"), sequence_parallel=sequence_parallel)
         self.p = mlp.dropout.p
 
     def forward(self, x):
@@ -337,10 +348,10 @@ class ParallelAttention(Parallel):
     def __init__(self, attn, group, name, sequence_parallel=False):
         super().__init__(group, sequence_parallel)
         self.n_head = _split_size(attn.n_head, "the number of attention heads", group)
-        self.q = ColumnParallelLinear(attn.q, group, f"{name}.q", sequence_parallel=sequence_parallel)
-        self.k = ColumnParallelLinear(attn.k, group, f"{name}.k", sequence_parallel=sequence_parallel)
-        self.v = ColumnParallelLinear(attn.v, group, f"{name}.v", sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear(attn.proj, group, f"{name}.proj", sequence_parallel=sequence_parallel)
+        self.q = ColumnParallelLinear(attn.q, group, _join(name, "q"), sequence_parallel=sequence_parallel)
+        self.k = ColumnParallelLinear(attn.k, group, _join(name, "k"), sequence_parallel=sequence_parallel)
+        self.v = ColumnParallelLinear(attn.v, group, _join(name, "v"), sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(attn.proj, group, _join(name, "proj"), sequence_parallel=sequence_parallel)
         self.p = attn.dropout.p
 
     def forward(self, x):
@@ -362,10 +373,10 @@ class ReplicatedLayerNorm(Parallel):
 
     def __init__(self, norm, group, name, sequence_parallel=False):
         super().__init__(group, sequence_parallel)
-        self.weight, self.sources["weight"] = _replicate(norm.weight, f"{name}.weight", sequence_parallel)
+        self.weight, self.sources["weight"] = _replicate(norm.weight, _join(name, "weight"), sequence_parallel)
         self.bias = None
         if norm.bias is not None:
-            self.bias, self.sources["bias"] = _replicate(norm.bias, f"{name}.bias", sequence_parallel)
+            self.bias, self.sources["bias"] = _replicate(norm.bias, _join(name, "bias"), sequence_parallel)
         self.eps = norm.eps
 
     def forward(self, x):
@@ -375,10 +386,10 @@ class ReplicatedLayerNorm(Parallel):
 class ParallelBlock(Parallel):
     def __init__(self, block, group, name, sequence_parallel=False):
         super().__init__(group, sequence_parallel)
-        self.ln_1 = ReplicatedLayerNorm(block.ln_1, group, f"{name}.ln_1", sequence_parallel)
-        self.ln_2 = ReplicatedLayerNorm(block.ln_2, group, f"{name}.ln_2", sequence_parallel)
-        self.attn = ParallelAttention(block.attn, group, f"{name}.attn", sequence_parallel)
-        self.mlp = ParallelMLP(block.mlp, group, f"{name}.mlp", sequence_parallel)
+        self.ln_1 = ReplicatedLayerNorm(block.ln_1, group, _join(name, "ln_1"), sequence_parallel)
+        self.ln_2 = ReplicatedLayerNorm(block.ln_2, group, _join(name, "ln_2"), sequence_parallel)
+        self.attn = ParallelAttention(block.attn, group, _join(name, "attn"), sequence_parallel)
+        self.mlp = ParallelMLP(block.mlp, group, _join(name, "mlp"), sequence_parallel)
 
     def forward(self, x):
         """x: (B, T, C) under TP; my sequence shard (B, T/t, C) under SP."""
@@ -397,7 +408,7 @@ class VocabParallelEmbedding(Parallel):
         super().__init__(group, sequence_parallel=False)
         rows = _split_size(embedding.num_embeddings, "the vocabulary size", group)
         self.start, self.stop = dist.get_rank(group) * rows, (dist.get_rank(group) + 1) * rows
-        self.weight, self.sources["weight"] = _shard(embedding.weight, 0, group, f"{name}.weight")
+        self.weight, self.sources["weight"] = _shard(embedding.weight, 0, group, _join(name, "weight"))
 
     def forward(self, ids):
         # BEGIN SOLUTION 4.4 "Mask ids outside [start, stop), look up ids - start (0 where masked), zero masked rows, ReduceFromRegion."

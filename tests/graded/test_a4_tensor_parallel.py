@@ -1,0 +1,335 @@
+"""Assignment 4 (tensor and sequence parallel), graded. Run: ``python -m grader --tasks 4.*``.
+
+Every piece is checked against the serial computation it replaces, on shapes and values drawn
+when the test runs (so only a real implementation passes): region functions against NumPy,
+parallel layers against the serial layer whose weights they shard (outputs, input gradients and
+each shard's gradient against the matching slice of the serial one), and the bytes each layer
+sends against the ring formulas.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import numpy as np
+import pytest
+
+from tinytrain import distributed as dist
+from tinytrain import functional as F
+from tinytrain import random as _random
+from tinytrain.autograd import Tensor
+from tinytrain.backend import to_host, xp
+from tinytrain.nn import GPT, GPTConfig
+from tinytrain.nn.layers import Embedding, Linear
+from tinytrain.nn.transformer import MLP, CausalSelfAttention
+
+RTOL, ATOL = 1e-4, 1e-6  # float32, sums in another order than serial
+
+
+def shared_rng():
+    """A generator every rank draws identically, from a seed drawn now (or TINYTRAIN_GRADER_SEED)."""
+    fixed = os.environ.get("TINYTRAIN_GRADER_SEED")
+    seed = int(fixed) if fixed else secrets.randbits(31)
+    if dist.is_initialized():
+        seed = int(dist.world().comm.bcast(seed, root=0))
+    return np.random.default_rng(seed), seed
+
+
+def close(got, want, what, scale=0.0):
+    """``scale``: the largest gradient of the layer. Float32 rounding is relative to the sums'
+    terms, so a gradient that should be 0 (a key bias: softmax ignores a per-query constant)
+    holds noise relative to its neighbours' size, not its own."""
+    got = to_host(got.data if isinstance(got, Tensor) else got)
+    np.testing.assert_allclose(got, to_host(want), rtol=RTOL, atol=ATOL + 1e-5 * scale, err_msg=what)
+
+
+def largest_gradient(model):
+    return max(float(np.abs(to_host(p.grad)).max()) for p in model.parameters() if p.grad is not None)
+
+
+def piece(arr, axis, t, r):
+    return np.split(to_host(arr), t, axis=axis)[r]
+
+
+def leaf(arr):
+    return Tensor(xp.asarray(np.ascontiguousarray(arr, dtype=np.float32)), requires_grad=True)
+
+
+def ring_all_reduce_bytes(nbytes, t):
+    return 2 * (t - 1) * nbytes // t
+
+
+def sent(stats, op):
+    return stats.sent(op, group=dist.world().name)
+
+
+# --- 4.1 region functions --------------------------------------------------------------------------
+
+
+@pytest.mark.task("4.1")
+@pytest.mark.world_size(4)
+def test_region_functions(impl):
+    tp, g, t, r = impl.tensor_parallel, dist.world(), 4, dist.get_rank()
+    rng, seed = shared_rng()
+    shape = (int(rng.integers(1, 4)), int(rng.integers(1, 5)), 4 * int(rng.integers(1, 4)))
+    per_rank = rng.normal(size=(t,) + shape).astype(np.float32)  # rank i's input is per_rank[i]
+    upstream = rng.normal(size=(t,) + shape).astype(np.float32)  # rank i's output gradient
+    what = f"shape {shape} (seed {seed})"
+
+    x = leaf(per_rank[r])
+    out = tp.CopyToRegion.apply(x, group=g)
+    close(out, per_rank[r], f"CopyToRegion forward is the identity, {what}")
+    with dist.comm_stats() as s:
+        out.backward(xp.asarray(upstream[r]))
+    close(x.grad, upstream.sum(0), f"CopyToRegion backward sums every rank's gradient, {what}")
+
+    x = leaf(per_rank[r])
+    out = tp.ReduceFromRegion.apply(x, group=g)
+    close(out, per_rank.sum(0), f"ReduceFromRegion forward sums every rank's input, {what}")
+    out.backward(xp.asarray(upstream[r]))
+    close(x.grad, upstream[r], f"ReduceFromRegion backward is the identity, {what}")
+
+    whole = per_rank[0]  # the same on every rank
+    x = leaf(piece(whole, -1, t, r))
+    out = tp.GatherFromRegion.apply(x, group=g)
+    close(out, whole, f"GatherFromRegion forward concatenates the pieces along the last axis, {what}")
+    out.backward(xp.asarray(upstream[0]))
+    close(x.grad, piece(upstream[0], -1, t, r), f"GatherFromRegion backward keeps my piece, {what}")
+
+    x = leaf(whole)
+    out = tp.ScatterToRegion.apply(x, group=g)
+    close(out, piece(whole, -1, t, r), f"ScatterToRegion forward keeps my piece of the last axis, {what}")
+    out.backward(xp.asarray(piece(upstream[0], -1, t, r)))
+    close(x.grad, upstream[0], f"ScatterToRegion backward gathers the pieces' gradients, {what}")
+
+
+# --- 4.2 column- and row-parallel linear ------------------------------------------------------------
+
+
+def drawn_linear(rng, t):
+    n_in, n_out = t * int(rng.integers(1, 5)), t * int(rng.integers(1, 5))
+    linear = Linear(n_in, n_out, rng=np.random.default_rng(int(rng.integers(1 << 30))))
+    linear.bias.data[...] = xp.asarray(rng.normal(size=n_out).astype(np.float32))
+    x = rng.normal(size=(int(rng.integers(1, 4)), int(rng.integers(1, 5)), n_in)).astype(np.float32)
+    return linear, x, rng.normal(size=x.shape[:-1] + (n_out,)).astype(np.float32)
+
+
+def serial_grads(linear, x, upstream):
+    xs = leaf(x)
+    y = linear(xs)
+    y.backward(xp.asarray(upstream))
+    return y, xs.grad
+
+
+@pytest.mark.task("4.2")
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("gather_output", [False, True])
+def test_column_parallel_linear(impl, gather_output):
+    tp, g, t, r = impl.tensor_parallel, dist.world(), 4, dist.get_rank()
+    rng, seed = shared_rng()
+    linear, x, upstream = drawn_linear(rng, t)
+    what = f"Linear({linear.in_features}, {linear.out_features}), x {x.shape}, gather_output={gather_output} (seed {seed})"
+    col = tp.ColumnParallelLinear(linear, g, "fc", gather_output=gather_output)
+    want, want_dx = serial_grads(linear, x, upstream)
+    xs = leaf(x)
+    y = col(xs)
+    close(y, want.data if gather_output else piece(want.data, -1, t, r), f"output, {what}")
+    y.backward(xp.asarray(upstream if gather_output else piece(upstream, -1, t, r)))
+    close(xs.grad, want_dx, f"input gradient (summed over the ranks' columns), {what}")
+    close(col.weight.grad, piece(linear.weight.grad, 1, t, r), f"weight shard gradient, {what}")
+    close(col.bias.grad, piece(linear.bias.grad, 0, t, r), f"bias shard gradient, {what}")
+
+
+@pytest.mark.task("4.2")
+@pytest.mark.world_size(4)
+def test_row_parallel_linear(impl):
+    tp, g, t, r = impl.tensor_parallel, dist.world(), 4, dist.get_rank()
+    rng, seed = shared_rng()
+    linear, x, upstream = drawn_linear(rng, t)
+    what = f"Linear({linear.in_features}, {linear.out_features}), x {x.shape} (seed {seed})"
+    row = tp.RowParallelLinear(linear, g, "proj")
+    want, want_dx = serial_grads(linear, x, upstream)
+    xs = leaf(piece(x, -1, t, r))
+    with dist.comm_stats() as s:
+        y = row(xs)
+    close(y, want.data, f"output (partial products all-reduced, bias added once), {what}")
+    assert sent(s, "all_reduce") == ring_all_reduce_bytes(want.data.nbytes, t), f"{what}: one ring all-reduce of the output\n{s.table()}"
+    y.backward(xp.asarray(upstream))
+    close(xs.grad, piece(want_dx, -1, t, r), f"input gradient (my piece), {what}")
+    close(row.weight.grad, piece(linear.weight.grad, 0, t, r), f"weight shard gradient, {what}")
+    close(row.bias.grad, linear.bias.grad, f"bias gradient, {what}")
+
+
+# --- 4.3 parallel MLP and attention --------------------------------------------------------------------
+
+
+def check_layer(parallel, serial, x, upstream, t, what):
+    xs, xp_ = leaf(x), leaf(x)
+    want = serial(xs)
+    want.backward(xp.asarray(upstream))
+    with dist.comm_stats() as fwd:
+        y = parallel(xp_)
+    close(y, want.data, f"output, {what}")
+    with dist.comm_stats() as bwd:
+        y.backward(xp.asarray(upstream))
+    close(xp_.grad, xs.grad, f"input gradient, {what}")
+    named, scale = dict(serial.named_parameters()), largest_gradient(serial)
+    for p, name, axis, start, stop, _ in parallel_shards(parallel):
+        full = to_host(named[name].grad)
+        close(p.grad, full if axis is None else np.take(full, range(start, stop), axis=axis), f"gradient of {name}, {what}", scale)
+    one = ring_all_reduce_bytes(x.nbytes, t)
+    for label, s in (("forward", fwd), ("backward", bwd)):
+        assert sent(s, "all_reduce") == one, f"{what}: {label} sends one ring all-reduce of the activations\n{s.table()}"
+
+
+def parallel_shards(module):
+    return [(getattr(m, a), *src) for _, m in module.named_modules() for a, src in getattr(m, "sources", {}).items()]
+
+
+@pytest.mark.task("4.3")
+@pytest.mark.world_size(4)
+def test_parallel_mlp(impl):
+    tp, g, t = impl.tensor_parallel, dist.world(), 4
+    rng, seed = shared_rng()
+    C = t * int(rng.integers(1, 4))
+    mlp = MLP(C, 4 * C, rng=np.random.default_rng(int(rng.integers(1 << 30))))
+    for p in mlp.parameters():
+        p.data[...] += xp.asarray(rng.normal(scale=0.1, size=p.shape).astype(np.float32))
+    x = rng.normal(size=(2, int(rng.integers(1, 6)), C)).astype(np.float32)
+    upstream = rng.normal(size=x.shape).astype(np.float32)
+    check_layer(tp.ParallelMLP(mlp, g, ""), mlp, x, upstream, t, f"MLP width {C}, x {x.shape} (seed {seed})")
+
+
+@pytest.mark.task("4.3")
+@pytest.mark.world_size(4)
+def test_parallel_attention_splits_heads(impl):
+    tp, g, t = impl.tensor_parallel, dist.world(), 4
+    rng, seed = shared_rng()
+    heads, head_dim = t * int(rng.integers(1, 3)), int(rng.integers(1, 4))
+    config = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=heads, n_embd=heads * head_dim)
+    attn = CausalSelfAttention(config, rng=np.random.default_rng(int(rng.integers(1 << 30))))
+    for p in attn.parameters():
+        p.data[...] += xp.asarray(rng.normal(scale=0.3, size=p.shape).astype(np.float32))
+    x = rng.normal(size=(2, int(rng.integers(2, 9)), config.n_embd)).astype(np.float32)
+    upstream = rng.normal(size=x.shape).astype(np.float32)
+    what = f"{heads} heads of {head_dim}, x {x.shape} (seed {seed})"
+    check_layer(tp.ParallelAttention(attn, g, ""), attn, x, upstream, t, what)
+    bad = CausalSelfAttention(GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=t + 2, n_embd=t + 2))
+    with pytest.raises(ValueError, match="heads"):
+        tp.ParallelAttention(bad, g, "")
+
+
+# --- 4.4 vocab-parallel embedding and cross-entropy -----------------------------------------------------
+
+
+@pytest.mark.task("4.4")
+@pytest.mark.world_size(4)
+def test_vocab_parallel_embedding(impl):
+    tp, g, t, r = impl.tensor_parallel, dist.world(), 4, dist.get_rank()
+    rng, seed = shared_rng()
+    V, C = t * int(rng.integers(1, 6)), int(rng.integers(1, 6))
+    emb = Embedding(V, C, rng=np.random.default_rng(int(rng.integers(1 << 30))))
+    ids = rng.integers(0, V, size=(2, int(rng.integers(1, 8))))
+    upstream = rng.normal(size=ids.shape + (C,)).astype(np.float32)
+    what = f"vocabulary {V}, ids {ids.tolist()} (seed {seed})"
+    want = emb(xp.asarray(ids))
+    want.backward(xp.asarray(upstream))
+    par = tp.VocabParallelEmbedding(emb, g)
+    y = par(xp.asarray(ids))
+    close(y, want.data, f"lookup, {what}")
+    y.backward(xp.asarray(upstream))
+    close(par.weight.grad, piece(emb.weight.grad, 0, t, r), f"gradient of my rows, {what}")
+    with pytest.raises(ValueError, match="vocabulary"):
+        tp.VocabParallelEmbedding(Embedding(t + 1, 2), g)
+
+
+@pytest.mark.task("4.4")
+@pytest.mark.world_size(4)
+def test_vocab_parallel_cross_entropy_never_sees_full_logits(impl):
+    tp, g, t, r = impl.tensor_parallel, dist.world(), 4, dist.get_rank()
+    rng, seed = shared_rng()
+    V, N = t * int(rng.integers(2, 6)), int(rng.integers(2, 10))
+    logits = (rng.normal(size=(N, V)) * 5).astype(np.float32)
+    targets = rng.integers(0, V, size=N)
+    targets[rng.random(N) < 0.3] = -100
+    targets[0] = int(rng.integers(0, V))  # at least one counted target
+    what = f"{N} rows of {V} logits (seed {seed})"
+    full = leaf(logits)
+    want = F.cross_entropy(full, xp.asarray(targets))
+    want.backward()
+    mine = leaf(piece(logits, -1, t, r))
+    got = tp.vocab_parallel_cross_entropy(mine, targets, g, vocab_start=r * V // t)
+    close(got, want.data, f"loss, {what}")
+    got.backward()
+    close(mine.grad, piece(full.grad, -1, t, r), f"gradient of my logits, {what}")
+
+
+# --- 4.4 / 4.5 the whole GPT ------------------------------------------------------------------------------
+
+
+def drawn_gpt(rng, t, dropout):
+    heads = t * int(rng.integers(1, 3))
+    config = GPTConfig(vocab_size=t * int(rng.integers(2, 5)), block_size=2 * t, n_layer=int(rng.integers(1, 3)),
+                       n_head=heads, n_embd=heads * int(rng.integers(1, 3)), dropout=dropout)
+    seed = int(rng.integers(1 << 30))
+    ids = rng.integers(0, config.vocab_size, size=(int(rng.integers(1, 4)), 2 * t))
+    targets = rng.integers(0, config.vocab_size, size=ids.shape)
+    return (lambda: GPT(config, seed=seed)), ids, targets
+
+
+def check_gpt(tp, t, sp, dropout):
+    rng, seed = shared_rng()
+    build, ids, targets = drawn_gpt(rng, t, dropout)
+    serial, parallel = build(), tp.tensor_parallel_gpt(build(), dist.world(), sequence_parallel=sp)
+    what = f"{serial.config}, batch {ids.shape}, SP {sp} (seed {seed})"
+    _random.manual_seed(seed)
+    want = F.cross_entropy(serial(xp.asarray(ids)), xp.asarray(targets))
+    want.backward()
+    _random.manual_seed(seed)
+    with dist.comm_stats() as s:
+        got = parallel.loss(ids, targets)
+        got.backward()
+        parallel.sync_sequence_parallel_grads()
+    close(got, want.data, f"loss, {what}")
+    named, scale = dict(serial.named_parameters()), largest_gradient(serial)
+    for p, name, axis, start, stop, _ in parallel.shards():
+        full = to_host(named[name].grad)
+        close(p.grad, full if axis is None else np.take(full, range(start, stop), axis=axis), f"gradient of {name}, {what}", scale)
+    return s
+
+
+@pytest.mark.task("4.4")
+@pytest.mark.world_size(4)
+def test_tensor_parallel_gpt_matches_serial(impl):
+    check_gpt(impl.tensor_parallel, 4, sp=False, dropout=0.0)
+
+
+@pytest.mark.task("4.5")
+@pytest.mark.world_size(4)
+def test_sequence_parallel_gpt_with_dropout_matches_serial(impl):
+    s = check_gpt(impl.tensor_parallel, 4, sp=True, dropout=0.2)
+    assert sent(s, "all_gather") > 0 and sent(s, "reduce_scatter") > 0, f"SP runs all-gathers and reduce-scatters\n{s.table()}"
+
+
+@pytest.mark.task("4.5")
+@pytest.mark.world_size(4)
+def test_sequence_parallel_block_sends_the_all_reduce_bytes_as_gather_and_reduce_scatter(impl):
+    tp, g, t, r = impl.tensor_parallel, dist.world(), 4, dist.get_rank()
+    rng, seed = shared_rng()
+    build, ids, _ = drawn_gpt(rng, t, 0.0)
+    model = build()
+    block = tp.ParallelBlock(model.blocks[0], g, "blocks.0", sequence_parallel=True)
+    x = rng.normal(size=(ids.shape[0], ids.shape[1], model.config.n_embd)).astype(np.float32)
+    what = f"x {x.shape} (seed {seed})"
+    want = model.blocks[0](leaf(x))
+    xs = leaf(piece(x, 1, t, r))
+    with dist.comm_stats() as fwd:
+        y = block(xs)
+    close(y, piece(want.data, 1, t, r), f"my sequence shard of the block's output, {what}")
+    with dist.comm_stats() as bwd:
+        y.sum().backward()
+    for label, s in (("forward", fwd), ("backward", bwd)):
+        assert sent(s, "all_reduce") == 0, f"{what}: SP has no all-reduce in a block's {label}\n{s.table()}"
+        for op in ("all_gather", "reduce_scatter"):
+            assert sent(s, op) == ring_all_reduce_bytes(x.nbytes, t), f"{what}: {label} {op} bytes\n{s.table()}"
