@@ -65,5 +65,9 @@ def run(args) -> int:
     n = args.tokens or (dataset.seq_len - dataset.prompt_len if dataset.name == "addition" else 200)
     ids = dataset.encode(args.prompt)[None, :]
     new = generate(model, ids, n, args.temperature, numpy.random.default_rng(args.seed))
-    print(args.prompt + dataset.decode(new[0]))
+    text = dataset.decode(new[0])
+    if dataset.name == "addition" and text.isdigit():  # the answer is written least-significant digit first
+        print(f"{args.prompt}{text}   (the model's sum: {int(text[::-1])})")
+    else:
+        print(args.prompt + text)
     return 0

@@ -181,8 +181,12 @@ def test_sample_prints_a_continuation(tmp_path, capsys):
     assert main(["sample", "--ckpt", ckpt]) == 0
     line = capsys.readouterr().out.strip()
     ds = AdditionDataset(2)  # the default --digits
-    assert len(line) == ds.seq_len and line[2] == "+" and line[5] == "="
-    assert set(line) <= set(ds.chars)
+    problem, _, reading = line.partition("   ")
+    assert len(problem) == ds.seq_len and problem[2] == "+" and problem[5] == "="
+    assert set(problem) <= set(ds.chars)
+    answer = problem[ds.prompt_len:]
+    if answer.isdigit():  # the sum is also printed the way a person reads it
+        assert reading == f"(the model's sum: {int(answer[::-1])})"
     assert main(["sample", "--ckpt", ckpt, "--prompt", "12", "--tokens", "5"]) == 0
     out = capsys.readouterr().out.strip()
     assert out.startswith("12") and len(out) == 7
