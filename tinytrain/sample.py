@@ -66,7 +66,8 @@ def run(args) -> int:
     ids = dataset.encode(args.prompt)[None, :]
     new = generate(model, ids, n, args.temperature, numpy.random.default_rng(args.seed))
     text = dataset.decode(new[0])
-    if dataset.name == "addition" and text.isdigit():  # the answer is written least-significant digit first
+    whole_problem = dataset.name == "addition" and len(args.prompt) == dataset.prompt_len and args.prompt.endswith("=")
+    if whole_problem and text.isdigit():  # the answer is written least-significant digit first
         print(f"{args.prompt}{text}   (the model's sum: {int(text[::-1])})")
     else:
         print(args.prompt + text)
