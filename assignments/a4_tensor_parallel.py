@@ -415,6 +415,8 @@ class TensorParallelGPT(Parallel):
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
         x = self.wte(ids) + F.embedding(xp.arange(T), self.wpe)
         if self.sequence_parallel:
+            # Megatron fuses the embedding's all-reduce and this split into one reduce-scatter;
+            # we keep them apart so the position embedding is added to whole sequences, as serial.
             _split_size(T, "the sequence length (sequence parallel splits it)", self.group)
             x = ScatterToSequenceRegion.apply(x, group=self.group)
         x = self.dropout(x, self.p, self.training)

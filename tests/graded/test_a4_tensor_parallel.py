@@ -249,7 +249,7 @@ def test_vocab_parallel_embedding(impl):
 def test_vocab_parallel_cross_entropy_never_sees_full_logits(impl):
     tp, g, t, r = impl.tensor_parallel, dist.world(), 4, dist.get_rank()
     rng, seed = shared_rng()
-    V, N = t * int(rng.integers(2, 6)), int(rng.integers(2, 10))
+    V, N = t * int(rng.integers(2, 6)), t * int(rng.integers(1, 4))
     logits = (rng.normal(size=(N, V)) * 5).astype(np.float32)
     targets = rng.integers(0, V, size=N)
     targets[rng.random(N) < 0.3] = -100
@@ -259,9 +259,15 @@ def test_vocab_parallel_cross_entropy_never_sees_full_logits(impl):
     want = F.cross_entropy(full, xp.asarray(targets))
     want.backward()
     mine = leaf(piece(logits, -1, t, r))
-    got = tp.vocab_parallel_cross_entropy(mine, targets, g, vocab_start=r * V // t)
+    with dist.comm_stats() as s:
+        got = tp.vocab_parallel_cross_entropy(mine, targets, g, vocab_start=r * V // t)
     close(got, want.data, f"loss, {what}")
-    got.backward()
+    # max, sum of exp and the target's logit: three ring all-reduces of N numbers, never N·V
+    assert sent(s, "all_reduce") == 3 * ring_all_reduce_bytes(4 * N, t), f"{what}\n{s.table()}"
+    assert sent(s, "all_gather") == 0, f"{what}: the logits are never gathered\n{s.table()}"
+    with dist.comm_stats() as s:
+        got.backward()
+    assert sent(s, "all_reduce") + sent(s, "all_gather") == 0, f"{what}: backward is local\n{s.table()}"
     close(mine.grad, piece(full.grad, -1, t, r), f"gradient of my logits, {what}")
 
 
