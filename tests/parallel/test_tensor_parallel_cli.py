@@ -34,6 +34,17 @@ def test_losses_match_the_serial_run(tmp_path, layout):
 
 
 @pytest.mark.world_size(2)
+def test_trace_shows_the_tp_all_reduces(tmp_path):
+    trace_path = tmp_path / "trace.json"
+    train_cli(tmp_path / "tp", "--tp", "2", "--steps", "1", "--trace", str(trace_path))
+    if dist.get_rank() == 0:
+        events = json.loads(trace_path.read_text())
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        ranks_reducing = {e["pid"] for e in events if e.get("name") == "all_reduce"}
+        assert len(ranks_reducing) == 2, f"all-reduce spans from both ranks, got pids {ranks_reducing}"
+
+
+@pytest.mark.world_size(2)
 @pytest.mark.parametrize("extra, message", [
     (["--tp", "4"], "needs exactly 4 ranks"),
     (["--tp", "2", "--heads", "3", "--width", "33"], "number of attention heads = 3"),

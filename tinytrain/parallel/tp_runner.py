@@ -94,4 +94,14 @@ class TensorParallelRunner:
         self.parallel.write_into(self.model)
 
     def finish(self, args, out) -> None:
-        """Nothing to draw yet."""
+        """Write the Chrome trace of every rank (``--trace``): the TP all-reduces between matmuls."""
+        if not args.trace:
+            return
+        import sys
+
+        from tinytrain import trace
+
+        spans = trace.merge()
+        if self.is_main:
+            trace.write_chrome(args.trace, spans)
+            print(f"wrote the Chrome trace {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
