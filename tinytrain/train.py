@@ -180,13 +180,15 @@ class SerialRunner:
 
 
 class PipelineRunner(SerialRunner):
-    """``--pp P [--dp D]``: each rank is one stage of one of D pipeline replicas.
+    """``--pp P [--dp D] [--tp T]``: each rank is one stage (or a TP shard of one) of D replicas.
 
-    With D > 1 the ranks form a mesh ``{"dp": D, "pp": P}`` (stages of a replica are neighbours,
-    the innermost axis): replica d trains on its rows of the global batch, and after backward each
-    stage sums its gradients with the same stage of the other replicas (an all-reduce over the DP
-    group). Each micro-batch's loss is divided by the number of targets in the *global* batch, so
-    that sum is exactly the serial gradient.
+    With D > 1 or T > 1 the ranks form a mesh ``{"dp": D, "pp": P, "tp": T}`` (TP innermost: the
+    shards of a stage are neighbours; then the stages of a replica). Replica d trains on its rows
+    of the global batch, and after backward each stage sums its gradients with the same stage of
+    the other replicas (an all-reduce over the DP group). Each micro-batch's loss is divided by
+    the number of targets in the *global* batch, so that sum is exactly the serial gradient. With
+    T > 1 each stage runs its blocks of a ``TensorParallelGPT`` over its TP group; activations
+    travel the pp axis between the same TP ranks of neighbouring stages.
     """
 
     saves_optimizer = False  # each stage holds its own optimizer state
@@ -196,25 +198,36 @@ class PipelineRunner(SerialRunner):
         from tinytrain.parallel.pipeline import PipelineStage, make_schedule
 
         dist.init()
-        dp, pp = getattr(args, "dp", 1), args.pp
+        dp, pp, tp = getattr(args, "dp", 1), args.pp, getattr(args, "tp", 1)
         if getattr(args, "zero", 0):
             raise ValueError("--zero with --pp is not supported; use plain --dp with --pp")
-        if dist.get_world_size() != dp * pp:
-            raise ValueError(f"--dp {dp} --pp {pp} needs exactly {dp * pp} ranks: run `mpirun -n {dp * pp} tinytrain "
-                             f"train --pp {pp}{f' --dp {dp}' if dp > 1 else ''} ...` (this run has {dist.get_world_size()})")
-        self.model, self.dist, self.dp = model, dist, dp
+        if getattr(args, "sp", False):
+            raise ValueError("--sp with --pp is not supported; use --tp without --sp inside pipeline stages")
+        if dist.get_world_size() != dp * pp * tp:
+            flags = f"--pp {pp}" + (f" --dp {dp}" if dp > 1 else "") + (f" --tp {tp}" if tp > 1 else "")
+            raise ValueError(f"{flags} needs exactly {dp * pp * tp} ranks: run `mpirun -n {dp * pp * tp} tinytrain "
+                             f"train {flags} ...` (this run has {dist.get_world_size()})")
+        self.model, self.dist, self.dp, self.tp = model, dist, dp, tp
         self.microbatches = args.microbatches or 2 * pp
         if args.batch_size % (dp * self.microbatches):
             per = f"{dp} replicas x {self.microbatches}" if dp > 1 else f"{self.microbatches}"
             raise ValueError(f"--batch-size {args.batch_size} does not split into {per} micro-batches; "
                              f"use a multiple of {dp * self.microbatches}")
-        if dp > 1:
-            mesh = dist.DeviceMesh({"dp": dp, "pp": pp})
+        self.parallel = None  # the TensorParallelGPT under --tp
+        self.loss_src = pp - 1  # the world rank of replica 0's last stage (TP rank 0)
+        if dp > 1 or tp > 1:
+            mesh = dist.DeviceMesh({"dp": dp, "pp": pp, "tp": tp})
             self.dp_rank, self.dp_group, pp_group = mesh.coordinate("dp"), mesh.get_group("dp"), mesh.get_group("pp")
+            self.loss_src = mesh.rank_at(dp=0, pp=pp - 1, tp=0)
+            if tp > 1:
+                from tinytrain.parallel.tensor_parallel import tensor_parallel_gpt
+
+                self.parallel = tensor_parallel_gpt(model, mesh.get_group("tp"))
         else:
             self.dp_rank, self.dp_group, pp_group = 0, None, None
+        self.net = self.parallel or model  # what the stages run: the serial GPT or this rank's shards
         self.schedule = make_schedule(args.schedule, pp, self.microbatches, args.chunks)
-        self.stage = PipelineStage(model, pp, args.chunks, group=pp_group)
+        self.stage = PipelineStage(self.net, pp, args.chunks, group=pp_group)
         self.actions = self.schedule[self.stage.rank]
         self.is_main = dist.get_rank() == 0
 
@@ -236,22 +249,32 @@ class PipelineRunner(SerialRunner):
                 self.dist.all_reduce(p.grad, group=self.dp_group)
             self.dist.all_reduce(buf, group=self.dp_group)  # each replica's share of the global loss
         # the loss lives on the last stage (of replica 0); rank 0 reports it
-        self.dist.broadcast(buf, src=self.stage.stages - 1)
+        self.dist.broadcast(buf, src=self.loss_src)
         return float(buf[0])
 
     def clip_gradients(self, max_norm: float) -> float:
         # The global norm adds every stage's squares; the tied embedding, held twice, counts once.
-        # Replicas hold the same (summed) gradients, so the pipeline group alone gives the norm.
+        # Replicas hold the same (summed) gradients, so the pipeline group alone gives the norm;
+        # under TP, shards' squares are also summed over the TP group, replicated weights counted once.
         params = self.parameters()
-        counted = [p for p in params if not (self.stage.is_last and not self.stage.is_first and p is self.model.wte.weight)]
-        sq = xp.asarray([sum(float((p.grad.astype(xp.float64) ** 2).sum()) for p in counted if p.grad is not None)])
+        tied = self.net.wte.weight if self.stage.is_last and not self.stage.is_first else None
+        sharded = {id(p) for p, _, axis, _, _, _ in self.parallel.shards() if axis is not None} if self.parallel else set()
+        sq = xp.zeros(2)  # [sharded, replicated]
+        for p in params:
+            if p.grad is not None and p is not tied:
+                sq[0 if id(p) in sharded else 1] += float((p.grad.astype(xp.float64) ** 2).sum())
         self.dist.all_reduce(sq, group=self.stage.group)
-        return clip_grad_norm_(params, max_norm, total_norm=math.sqrt(float(sq[0])))
+        shards = sq[:1].copy()
+        if self.parallel is not None:
+            self.dist.all_reduce(shards, group=self.parallel.group)
+        return clip_grad_norm_(params, max_norm, total_norm=math.sqrt(float(shards[0] + sq[1])))
 
     def share_model(self) -> None:
         from tinytrain.parallel.pipeline import share_parameters
 
-        share_parameters(self.stage)
+        share_parameters(self.stage)  # every rank: all stages' parameters (of its TP shard)
+        if self.parallel is not None:
+            self.parallel.write_into(self.model)  # gather the TP shards into the serial model
 
     def finish(self, args, out: Path) -> None:
         if not (args.plot or args.trace):
@@ -297,7 +320,7 @@ def make_runner(args, model):
         raise ValueError("--pp, --chunks and --microbatches must be positive")
     from tinytrain.parallel import dp_runner, tp_runner
 
-    if tp_runner.wanted(args):
+    if tp_runner.wanted(args) and args.pp == 1:
         return tp_runner.TensorParallelRunner(model, args)
     if args.pp > 1:
         return PipelineRunner(model, args)

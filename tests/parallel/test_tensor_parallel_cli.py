@@ -49,7 +49,9 @@ def test_trace_shows_the_tp_all_reduces(tmp_path):
     (["--tp", "4"], "needs exactly 4 ranks"),
     (["--tp", "2", "--heads", "3", "--width", "33"], "number of attention heads = 3"),
     (["--sp"], "add --tp 2 or more"),
-    (["--tp", "2", "--pp", "2"], "--tp combines with --dp only"),
+    (["--tp", "2", "--pp", "2"], "needs exactly 4 ranks"),
+    (["--tp", "2", "--pp", "2", "--sp"], "--sp with --pp is not supported"),
+    (["--tp", "2", "--zero", "1"], "--zero with --tp is not supported"),
 ])
 def test_impossible_settings_are_refused_with_what_to_change(tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):

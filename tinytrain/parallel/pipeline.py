@@ -34,6 +34,12 @@ The received activation is a fresh autograd *leaf*: backward inside the stage st
 its ``.grad`` is exactly the gradient the previous stage needs. That one idea is all the autograd
 a pipeline needs. The first stage also embeds the tokens, the last also computes the loss; with
 tied embeddings both hold ``wte``, and their two gradients are summed across them after backward.
+
+With tensor parallelism inside each stage (``--pp P --tp T``) the "model" is a
+``TensorParallelGPT``: every TP rank of a stage runs the same actions on its shards, the
+activations between stages are whole (B, T, C) tensors (the same on every TP rank of a stage), so
+TP rank r of stage s talks to TP rank r of stage s±1 only (the pipeline group is the mesh's pp
+axis), and the last stage's loss is the vocab-parallel cross-entropy (``head_loss``).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from __future__ import annotations
 from tinytrain import distributed as dist
 from tinytrain import functional as F
 from tinytrain import trace
-from tinytrain.autograd import Tensor, saved_bytes
+from tinytrain.autograd import Parameter, Tensor, saved_bytes
 from tinytrain.backend import xp
 from tinytrain.parallel.simulator import Action
 
@@ -155,7 +161,8 @@ class PipelineStage:
     """What one rank holds of a GPT: its chunks of blocks, plus embeddings (first) or head (last).
 
     Every rank builds the whole model from the same seed and keeps references to its part only, so
-    a pipeline run starts from exactly the serial run's weights.
+    a pipeline run starts from exactly the serial run's weights. ``model`` is a ``GPT`` or a
+    ``TensorParallelGPT`` (this rank's shards): both have ``blocks``, ``embed`` and ``logits``.
     """
 
     def __init__(self, model, stages: int, chunks: int = 1, rank: int | None = None, group=None):
@@ -173,7 +180,7 @@ class PipelineStage:
         """This rank's parameters, each once (wte appears on the first and, tied, the last stage)."""
         m, params = self.model, []
         if self.is_first:
-            params += m.wte.parameters() + m.wpe.parameters()
+            params += m.wte.parameters() + _parameters_of(m.wpe)
         for chunk in self.blocks.values():
             for block in chunk:
                 params += block.parameters()
@@ -188,6 +195,12 @@ class PipelineStage:
 
     def peer(self, virtual_stage: int) -> int:
         return virtual_stage % self.stages
+
+    def loss(self, x, targets, n_targets: int):
+        """The last virtual stage: summed cross-entropy of the last block's output / n_targets."""
+        if hasattr(self.model, "head_loss"):  # tensor parallel: vocab-parallel cross-entropy
+            return self.model.head_loss(x, targets, denominator=n_targets)
+        return F.cross_entropy(self.model.logits(x), targets, reduction="sum") / n_targets
 
     def run_chunk(self, chunk: int, x):
         for block in self.blocks[chunk]:
@@ -204,6 +217,11 @@ class PipelineStage:
         other = self.stages - 1 if self.is_first else 0
         dist.sendrecv(mine, other, theirs, other, group=self.group, tag=_TIED_TAG)
         w.grad = mine + theirs
+
+
+def _parameters_of(part) -> list:
+    """A module's parameters, or a bare Parameter (the tensor-parallel GPT's replicated wpe)."""
+    return [part] if isinstance(part, Parameter) else part.parameters()
 
 
 # ============================================================================================
@@ -303,7 +321,7 @@ class PipelineStep:
                 h = st.model.embed(self.x[mb])
             out = st.run_chunk(chunk, h)
             if k == st.n_virtual - 1:
-                out = F.cross_entropy(st.model.logits(out), self.y[mb], reduction="sum") / self.n_targets
+                out = st.loss(out, self.y[mb], self.n_targets)
                 self.loss += out.item()
         if k < st.n_virtual - 1:
             self.pending.append(send_activation(out, st.peer(k + 1), _tag(mb, k, st.n_virtual, False), st.group))

@@ -487,12 +487,20 @@ class TensorParallelGPT(Parallel):
         self.wpe, self.sources["wpe"] = _replicate(model.wpe.weight, "wpe.weight")
         self.blocks = ModuleList(ParallelBlock(b, group, f"blocks.{i}", sequence_parallel) for i, b in enumerate(model.blocks))
         self.ln_f = ReplicatedLayerNorm(model.ln_f, group, "ln_f", sequence_parallel)
+        self.head = None  # the output head is the (vocab-parallel) token embedding, tied
         self.p = config.dropout
         for m in self.modules():
             m.rows = rows  # every dropout cuts the same rows of the serial mask
 
     def hidden(self, ids):
         """The last block's output: (B, T, C), or my sequence shard under SP."""
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def embed(self, ids):
+        """Token plus position embeddings, then dropout: (B, T, C), or my sequence shard under SP."""
         ids = xp.asarray(ids)
         T = ids.shape[1]
         if T > self.config.block_size:
@@ -503,10 +511,7 @@ class TensorParallelGPT(Parallel):
             # we keep them apart so the position embedding is added to whole sequences, as serial.
             _split_size(T, "the sequence length (sequence parallel splits it)", self.group)
             x = ScatterToSequenceRegion.apply(x, group=self.group)
-        x = self.dropout(x, self.p, self.training)
-        for block in self.blocks:
-            x = block(x)
-        return x
+        return self.dropout(x, self.p, self.training)
 
     def logits(self, x):
         """My vocabulary columns of the logits (B, T, V/t): the tied head is column-parallel."""
@@ -517,7 +522,11 @@ class TensorParallelGPT(Parallel):
         return self.logits(self.hidden(ids))
 
     def loss(self, ids, targets, denominator=None):
-        return vocab_parallel_cross_entropy(self(ids), targets, self.group, self.wte.start, denominator=denominator)
+        return self.head_loss(self.hidden(ids), targets, denominator)
+
+    def head_loss(self, x, targets, denominator=None):
+        """The loss from the last block's output ``x`` (a pipeline's last stage starts here)."""
+        return vocab_parallel_cross_entropy(self.logits(x), targets, self.group, self.wte.start, denominator=denominator)
 
     def sync_sequence_parallel_grads(self):
         """Under SP a replicated weight (LayerNorm, row bias) saw only my tokens: sum over the group."""

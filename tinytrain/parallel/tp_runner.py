@@ -1,5 +1,7 @@
 """``tinytrain train --tp T [--sp] [--dp D]``: the training loop's runner for tensor parallel.
 
+(With ``--pp P`` as well, ``train.PipelineRunner`` runs tensor-parallel stages instead.)
+
 Every rank builds the serial GPT from the seed and keeps its shards (``tensor_parallel.py``). With
 ``--dp D`` the ranks form a mesh ``{"dp": D, "tp": T}`` (TP innermost: a TP group is neighbouring
 ranks, one node in a real cluster): replica d takes its rows of the global batch, each loss is
@@ -33,8 +35,8 @@ class TensorParallelRunner:
         tp, dp, n = args.tp, args.dp, dist.get_world_size()
         if args.sp and tp < 2:
             raise ValueError("--sp splits the sequence over the tensor-parallel group: add --tp 2 or more")
-        if args.pp > 1 or args.zero:
-            raise ValueError("--tp combines with --dp only; drop --pp/--zero (or --tp)")
+        if args.zero:
+            raise ValueError("--zero with --tp is not supported; use plain --dp with --tp")
         if args.resume:
             raise ValueError("--resume with --tp is not supported: TP checkpoints hold no optimizer state yet")
         if dp * tp != n:
