@@ -50,7 +50,7 @@ from __future__ import annotations
 from tinytrain import distributed as dist
 from tinytrain import functional as F
 from tinytrain import random as _random
-from tinytrain.autograd import Function, Parameter, Tensor
+from tinytrain.autograd import Function, Parameter, Tensor, ops
 from tinytrain.backend import xp
 from tinytrain.nn.module import Module, ModuleList
 
@@ -168,24 +168,6 @@ class ScatterToSequenceRegion(Function):
         raise NotImplementedError("TODO 4.5: All-gather the pieces' gradients along axis 1.")
 
 
-class ShardDropout(Function):
-    """Dropout on a piece of a tensor of ``full_shape``: the full serial mask is drawn from the
-    generator and ``index`` cut out of it, so the result equals the serial model's (see top)."""
-
-    @staticmethod
-    def forward(ctx, x, p, generator, full_shape, index):
-        # copy: keep only my piece alive (a view would hold the whole mask for backward)
-        keep = (generator.random(full_shape, dtype=xp.float32) >= p)[index].copy()
-        ctx.save_for_backward(keep)
-        ctx.scale = x.dtype.type(1.0 / (1.0 - p))
-        return x * keep * ctx.scale
-
-    @staticmethod
-    def backward(ctx, grad):
-        (keep,) = ctx.saved
-        return grad * keep * ctx.scale, None, None, None, None
-
-
 # --- helpers for layers ---------------------------------------------------------------------------
 
 
@@ -243,7 +225,7 @@ class Parallel(Module):
         data-parallel replica holds only ``self.rows = (first row, global batch)``."""
         if not training or p == 0.0:
             return x
-        raise NotImplementedError("TODO 4.5: Full shape: (global batch, T·t under SP, C); index: my rows and (SP) my sequence positions; ShardDropout.")
+        raise NotImplementedError("TODO 4.5: Full shape: (global batch, T·t under SP, C); index: my rows and (SP) my sequence positions; ops.Dropout with full_shape and index.")
 
 
 # --- 4.2 column and row parallel linear -----------------------------------------------------------

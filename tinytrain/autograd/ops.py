@@ -613,11 +613,18 @@ class LayerNorm(Function):
 
 class Dropout(Function):
     """Zero each entry with probability p and scale the rest by 1/(1-p); the mask comes from
-    the given random generator, so a run is reproducible from its seed."""
+    the given random generator, so a run is reproducible from its seed.
+
+    A rank that holds only a piece of a tensor (tensor/sequence parallel) passes the serial
+    tensor's ``full_shape`` and its own ``index``: the full mask is drawn, exactly as the serial
+    model draws it, and only this rank's piece is kept — so the result equals the serial model's.
+    """
 
     @staticmethod
-    def forward(ctx, x, p, generator):
-        keep = generator.random(x.shape, dtype=xp.float32) >= p
+    def forward(ctx, x, p, generator, full_shape=None, index=None):
+        keep = generator.random(x.shape if full_shape is None else full_shape, dtype=xp.float32) >= p
+        if index is not None:
+            keep = keep[index].copy()  # a copy: a view would keep the whole mask alive for backward
         ctx.save_for_backward(keep)
         ctx.scale = x.dtype.type(1.0 / (1.0 - p))
         return x * keep * ctx.scale

@@ -46,7 +46,7 @@ from __future__ import annotations
 from tinytrain import distributed as dist
 from tinytrain import functional as F
 from tinytrain import random as _random
-from tinytrain.autograd import Function, Parameter, Tensor
+from tinytrain.autograd import Function, Parameter, Tensor, ops
 from tinytrain.backend import xp
 from tinytrain.nn.module import Module, ModuleList
 
@@ -198,24 +198,6 @@ class ScatterToSequenceRegion(Function):
         # END SOLUTION
 
 
-class ShardDropout(Function):
-    """Dropout on a piece of a tensor of ``full_shape``: the full serial mask is drawn from the
-    generator and ``index`` cut out of it, so the result equals the serial model's (see top)."""
-
-    @staticmethod
-    def forward(ctx, x, p, generator, full_shape, index):
-        # copy: keep only my piece alive (a view would hold the whole mask for backward)
-        keep = (generator.random(full_shape, dtype=xp.float32) >= p)[index].copy()
-        ctx.save_for_backward(keep)
-        ctx.scale = x.dtype.type(1.0 / (1.0 - p))
-        return x * keep * ctx.scale
-
-    @staticmethod
-    def backward(ctx, grad):
-        (keep,) = ctx.saved
-        return grad * keep * ctx.scale, None, None, None, None
-
-
 # --- helpers for layers ---------------------------------------------------------------------------
 
 
@@ -273,12 +255,12 @@ class Parallel(Module):
         data-parallel replica holds only ``self.rows = (first row, global batch)``."""
         if not training or p == 0.0:
             return x
-        # BEGIN SOLUTION 4.5 "Full shape: (global batch, T·t under SP, C); index: my rows and (SP) my sequence positions; ShardDropout."
+        # BEGIN SOLUTION 4.5 "Full shape: (global batch, T·t under SP, C); index: my rows and (SP) my sequence positions; ops.Dropout with full_shape and index."
         n, r, T = dist.get_world_size(self.group), dist.get_rank(self.group), x.shape[1]
         full_T, seq = (T * n, slice(r * T, (r + 1) * T)) if self.sequence_parallel else (T, slice(None))
         first, batch = self.rows or (0, x.shape[0])
         index = (slice(first, first + x.shape[0]), seq)
-        return ShardDropout.apply(x, p, _random.default_generator(), (batch, full_T) + x.shape[2:], index)
+        return ops.Dropout.apply(x, p, _random.default_generator(), full_shape=(batch, full_T) + x.shape[2:], index=index)
         # END SOLUTION
 
 
