@@ -29,6 +29,13 @@ def shard_rows(batch, rank: int, world: int):
     return batch[rank * per:(rank + 1) * per]
 
 
+def replica_batch(x, y, rank: int, world: int):
+    """This data-parallel replica's rows of the global batch ``(x, y)``, and the number of counted
+    targets in the *whole* global batch: a replica that divides its summed loss by that number
+    gets a loss (and gradients) that add up over replicas to exactly the serial mean."""
+    return shard_rows(x, rank, world), shard_rows(y, rank, world), int((y != IGNORE).sum())
+
+
 class AdditionDataset:
     """Sums of two ``digits``-digit numbers; 10% of all problems are held out for validation."""
 

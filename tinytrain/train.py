@@ -235,11 +235,10 @@ class PipelineRunner(SerialRunner):
         return self.stage.parameters()
 
     def forward_backward(self, x, y) -> float:
-        from tinytrain.data import IGNORE, shard_rows
+        from tinytrain.data import replica_batch
         from tinytrain.parallel.pipeline import train_step
 
-        targets = int((y != IGNORE).sum())  # in the global batch
-        x, y = shard_rows(x, self.dp_rank, self.dp), shard_rows(y, self.dp_rank, self.dp)
+        x, y, targets = replica_batch(x, y, self.dp_rank, self.dp)
         loss, _ = train_step(self.stage, self.actions, x, y, self.microbatches, n_targets=targets)
         buf = xp.asarray([loss if loss is not None else 0.0], dtype=xp.float64)
         if self.dp > 1:

@@ -59,10 +59,9 @@ class TensorParallelRunner:
 
     def forward_backward(self, x, y) -> float:
         from tinytrain.backend import xp
-        from tinytrain.data import IGNORE, shard_rows
+        from tinytrain.data import replica_batch
 
-        targets = int((y != IGNORE).sum())  # in the global batch
-        x, y = shard_rows(x, self.dp_rank, self.dp), shard_rows(y, self.dp_rank, self.dp)
+        x, y, targets = replica_batch(x, y, self.dp_rank, self.dp)
         loss = self.parallel.loss(x, y, denominator=targets)
         loss.backward()
         self.parallel.sync_sequence_parallel_grads()
