@@ -242,11 +242,9 @@ class PipelineRunner(SerialRunner):
         loss, _ = train_step(self.stage, self.actions, x, y, self.microbatches, n_targets=targets)
         buf = xp.asarray([loss if loss is not None else 0.0], dtype=xp.float64)
         if self.dp > 1:
-            for p in self.parameters():  # replicas of a stage add their gradients
-                if p.grad is None:
-                    p.grad = xp.zeros_like(p.data)
-                self.dist.all_reduce(p.grad, group=self.dp_group)
-            self.dist.all_reduce(buf, group=self.dp_group)  # each replica's share of the global loss
+            from tinytrain.parallel.dp_runner import sum_over_replicas
+
+            sum_over_replicas(self.parameters(), buf, self.dp_group, self.dist)
         # the loss lives on the last stage (of replica 0); rank 0 reports it
         self.dist.broadcast(buf, src=self.loss_src)
         return float(buf[0])

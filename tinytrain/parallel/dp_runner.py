@@ -23,6 +23,19 @@ def add_arguments(group) -> None:
                        help="how async all-reduces advance during backward: polled from hooks, or a helper thread")
 
 
+def sum_over_replicas(params, loss_share, group, dist) -> None:
+    """Replicas of the same shard (a pipeline stage, a tensor-parallel piece) each computed the
+    gradient of their share of the global loss; summing them over the DP group gives the serial
+    gradient. ``loss_share`` (a 1-element array) is summed the same way, in place."""
+    from tinytrain.backend import xp
+
+    for p in params:
+        if p.grad is None:
+            p.grad = xp.zeros_like(p.data)
+        dist.all_reduce(p.grad, group=group)
+    dist.all_reduce(loss_share, group=group)
+
+
 def wanted(args) -> bool:
     return args.dp > 1 or args.zero > 0
 

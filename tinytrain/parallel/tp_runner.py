@@ -67,11 +67,9 @@ class TensorParallelRunner:
         self.parallel.sync_sequence_parallel_grads()
         value = xp.asarray([loss.item()], dtype=xp.float64)
         if self.dp > 1:
-            for p in self.parameters():  # replicas of a shard add their gradients
-                if p.grad is None:
-                    p.grad = xp.zeros_like(p.data)
-                self.dist.all_reduce(p.grad, group=self.dp_group)
-            self.dist.all_reduce(value, group=self.dp_group)  # each replica's share of the global loss
+            from tinytrain.parallel.dp_runner import sum_over_replicas
+
+            sum_over_replicas(self.parameters(), value, self.dp_group, self.dist)
         return float(value[0])
 
     def clip_gradients(self, max_norm: float) -> float:
