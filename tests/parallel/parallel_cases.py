@@ -4,6 +4,7 @@ loop that any strategy plugs into, and the serial run every strategy must reprod
 from __future__ import annotations
 
 import contextlib
+import json
 
 import numpy as np
 
@@ -82,3 +83,16 @@ def assert_same_on_all_ranks(params: dict, group=None) -> None:
         first = a.copy()
         dist.broadcast(first, src=0, group=group)
         assert np.array_equal(a, first), f"rank {dist.get_rank(group)} holds a different {name} than rank 0"
+
+
+def train_cli(out, base, *extra) -> list[float]:
+    """Run ``tinytrain train`` in-process with ``base`` + ``extra`` arguments; rank 0 returns the
+    per-step losses from metrics.json, other ranks an empty list."""
+    from tinytrain.cli import build_parser
+    from tinytrain.train import run
+
+    args = build_parser().parse_args(["train", *base, "--out", str(out), *extra])
+    assert run(args) == 0
+    if dist.get_rank() != 0:
+        return []
+    return [s["loss"] for s in json.loads((out / "metrics.json").read_text())["steps"]]

@@ -8,19 +8,15 @@ import numpy as np
 import pytest
 
 from tinytrain import distributed as dist
-from tinytrain.cli import build_parser
-from tinytrain.train import run
+
+import parallel_cases
 
 BASE = ["--steps", "3", "--batch-size", "8", "--width", "32", "--layers", "1", "--dropout", "0.1",
         "--eval-every", "100", "--eval-batches", "1", "--no-plot", "--quiet"]
 
 
 def train_cli(out, *extra) -> list[float]:
-    args = build_parser().parse_args(["train", *BASE, "--out", str(out), *extra])
-    assert run(args) == 0
-    if dist.get_rank() != 0:
-        return []
-    return [s["loss"] for s in json.loads((out / "metrics.json").read_text())["steps"]]
+    return parallel_cases.train_cli(out, BASE, *extra)
 
 
 @pytest.mark.world_size(4)
