@@ -70,17 +70,34 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
     return ops.LayerNorm.apply(x, weight, bias, eps=eps)
 
 
-def dropout(x, p=0.5, training=True, generator=None):
+def dropout(x, p=0.5, training=True, generator=None, site=None, seq_shard=None):
     """Zero entries with probability ``p`` (scaling the rest by 1/(1-p)) when ``training``.
 
-    The mask is drawn from ``generator`` (default: ``tinytrain.random``'s global generator), so a
-    run with the same seed draws the same masks.
+    The mask is drawn from ``generator``; else from the site's own generator when ``site`` (the
+    dropout module's name) is given; else from ``tinytrain.random``'s global generator. So a run
+    with the same seed draws the same masks.
+
+    A rank that holds a piece of the serial tensor draws the serial tensor's mask and keeps its
+    piece: its rows of the global batch (``random.batch_rows``) and, with ``seq_shard=(r, n)``,
+    piece r of n along the sequence axis (sequence parallel). Every layout sees the serial masks.
     """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     if not training or p == 0.0:
         return x
-    return ops.Dropout.apply(x, p, generator or _random.default_generator())
+    if generator is None:
+        generator = _random.dropout_generator(site) if site else _random.default_generator()
+    full_shape, index = list(x.shape), [slice(None)] * x.ndim
+    rows = _random.current_batch_rows()
+    if rows is not None:
+        first, full_shape[0] = rows
+        index[0] = slice(first, first + x.shape[0])
+    if seq_shard is not None:
+        r, n = seq_shard
+        full_shape[1], index[1] = x.shape[1] * n, slice(r * x.shape[1], (r + 1) * x.shape[1])
+    if rows is None and seq_shard is None:
+        return ops.Dropout.apply(x, p, generator)
+    return ops.Dropout.apply(x, p, generator, full_shape=tuple(full_shape), index=tuple(index))
 
 
 def scaled_dot_product_attention(q, k, v, causal=True, scale=None):

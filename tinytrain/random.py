@@ -6,23 +6,59 @@ Two global generators, both reset by ``manual_seed``:
   run of the same seed start from the same weights;
 - the *device* generator (``xp``) draws dropout masks where they are used.
 
-Code that needs its own stream (a data sampler, a tensor-parallel region) creates one with
-``generator(seed)`` so that streams never disturb each other.
+Code that needs its own stream (a data sampler) creates one with ``generator(seed)`` so that
+streams never disturb each other.
+
+Dropout under any parallel layout draws exactly the serial model's masks. Two things make it so:
+
+- each dropout *site* (a named module: ``blocks.3.mlp.dropout``) draws from its own generator,
+  keyed by (the seed given to ``manual_seed``, the site's name): ``dropout_generator(site)``. A
+  mask therefore does not depend on which sites ran before it on this rank — a pipeline stage
+  that never runs block 0, or ZeRO-3 recomputing a layer in backward, draws the same mask;
+- a rank that computes only some rows of the global batch (a data-parallel replica, a pipeline
+  micro-batch) says so with ``with batch_rows(first, total):``; dropout then draws the mask of the
+  whole batch and keeps its rows (``functional.dropout``).
 """
 
 from __future__ import annotations
+
+import contextlib
+import zlib
 
 import numpy
 
 from tinytrain.backend import default_rng
 
-_state = {"device": default_rng(0), "host": numpy.random.default_rng(0)}
+_state = {"device": default_rng(0), "host": numpy.random.default_rng(0), "seed": (0,), "rows": None}
 
 
 def manual_seed(seed) -> None:
     """Reset both global generators from ``seed`` (an int, or a tuple such as ``(seed, step)``)."""
     _state["device"] = default_rng(seed)
     _state["host"] = numpy.random.default_rng(seed)
+    _state["seed"] = tuple(seed) if isinstance(seed, (tuple, list)) else (seed,)
+
+
+def dropout_generator(site: str):
+    """The generator of one dropout site: a pure function of the current seed and ``site``."""
+    return default_rng((*_state["seed"], zlib.crc32(site.encode())))
+
+
+@contextlib.contextmanager
+def batch_rows(first: int, total: int):
+    """Inside, the arrays this rank computes are rows ``first, first+1, ...`` of a batch of ``total``."""
+    if not 0 <= first < total:
+        raise ValueError(f"batch_rows: first row {first} is outside a batch of {total} rows")
+    previous, _state["rows"] = _state["rows"], (first, total)
+    try:
+        yield
+    finally:
+        _state["rows"] = previous
+
+
+def current_batch_rows():
+    """``(first, total)`` set by the innermost ``batch_rows``, or None (this rank has the whole batch)."""
+    return _state["rows"]
 
 
 def generator(seed):

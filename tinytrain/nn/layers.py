@@ -82,14 +82,18 @@ class LayerNorm(Module):
 
 
 class Dropout(Module):
+    """``site``: this module's name in its model (``GPT`` sets it), which keys its masks so that
+    every parallel layout draws the serial model's masks (see ``tinytrain.random``)."""
+
     def __init__(self, p: float = 0.0):
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p = p
+        self.site = None
 
     def forward(self, x, generator=None):
-        return F.dropout(x, self.p, self.training, generator)
+        return F.dropout(x, self.p, self.training, generator, site=self.site)
 
     def extra_repr(self):
         return f"p={self.p}"
