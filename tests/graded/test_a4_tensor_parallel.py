@@ -80,8 +80,7 @@ def test_region_functions(impl):
     x = leaf(per_rank[r])
     out = tp.CopyToRegion.apply(x, group=g)
     close(out, per_rank[r], f"CopyToRegion forward is the identity, {what}")
-    with dist.comm_stats() as s:
-        out.backward(xp.asarray(upstream[r]))
+    out.backward(xp.asarray(upstream[r]))
     close(x.grad, upstream.sum(0), f"CopyToRegion backward sums every rank's gradient, {what}")
 
     x = leaf(per_rank[r])
@@ -175,16 +174,13 @@ def check_layer(parallel, serial, x, upstream, t, what):
         y.backward(xp.asarray(upstream))
     close(xp_.grad, xs.grad, f"input gradient, {what}")
     named, scale = dict(serial.named_parameters()), largest_gradient(serial)
-    for p, name, axis, start, stop, _ in parallel_shards(parallel):
-        full = to_host(named[name].grad)
-        close(p.grad, full if axis is None else np.take(full, range(start, stop), axis=axis), f"gradient of {name}, {what}", scale)
+    for sh in parallel.shards():
+        full = to_host(named[sh.name].grad)
+        want = full if sh.replicated else np.take(full, range(sh.start, sh.stop), axis=sh.axis)
+        close(sh.param.grad, want, f"gradient of {sh.name}, {what}", scale)
     one = ring_all_reduce_bytes(x.nbytes, t)
     for label, s in (("forward", fwd), ("backward", bwd)):
         assert sent(s, "all_reduce") == one, f"{what}: {label} sends one ring all-reduce of the activations\n{s.table()}"
-
-
-def parallel_shards(module):
-    return [(getattr(m, a), *src) for _, m in module.named_modules() for a, src in getattr(m, "sources", {}).items()]
 
 
 @pytest.mark.task("4.3")
@@ -299,9 +295,10 @@ def check_gpt(tp, t, sp, dropout):
         parallel.sync_sequence_parallel_grads()
     close(got, want.data, f"loss, {what}")
     named, scale = dict(serial.named_parameters()), largest_gradient(serial)
-    for p, name, axis, start, stop, _ in parallel.shards():
-        full = to_host(named[name].grad)
-        close(p.grad, full if axis is None else np.take(full, range(start, stop), axis=axis), f"gradient of {name}, {what}", scale)
+    for sh in parallel.shards():
+        full = to_host(named[sh.name].grad)
+        want = full if sh.replicated else np.take(full, range(sh.start, sh.stop), axis=sh.axis)
+        close(sh.param.grad, want, f"gradient of {sh.name}, {what}", scale)
     return s
 
 

@@ -12,6 +12,7 @@ from tinytrain import random as _random
 from tinytrain.autograd import Tensor, saved_bytes
 from tinytrain.backend import to_host, xp
 from tinytrain.nn import GPT, GPTConfig
+from tinytrain.nn.layers import Dropout
 from tinytrain.optim import SGD
 from tinytrain.parallel import tensor_parallel as tp
 
@@ -55,11 +56,11 @@ def assert_matches_serial(parallel, serial, what, field="grad"):
     # A gradient that should be 0 (the key bias: softmax ignores a per-query constant) holds
     # float32 noise relative to the other gradients' size: allow 1e-5 of the largest one.
     atol = ATOL + 1e-5 * max(float(np.abs(to_host(getattr(p, field))).max()) for p in serial.parameters())
-    for p, name, axis, start, stop, _ in parallel.shards():
-        full = getattr(named[name], field)
-        want = full if axis is None else np.take(to_host(full), range(start, stop), axis=axis)
-        np.testing.assert_allclose(to_host(getattr(p, field)), to_host(want), rtol=RTOL, atol=atol,
-                                   err_msg=f"{what}: {field} of {name} (axis {axis}, [{start}:{stop}])")
+    for s in parallel.shards():
+        full = getattr(named[s.name], field)
+        want = full if s.replicated else np.take(to_host(full), range(s.start, s.stop), axis=s.axis)
+        np.testing.assert_allclose(to_host(getattr(s.param, field)), to_host(want), rtol=RTOL, atol=atol,
+                                   err_msg=f"{what}: {field} of {s.name} (axis {s.axis}, [{s.start}:{s.stop}])")
 
 
 @pytest.mark.world_size(2)
@@ -107,6 +108,21 @@ def test_gathered_logits_equal_serial_and_write_into_restores_the_model():
 
 
 @pytest.mark.world_size(2)
+def test_shards_cover_the_serial_parameters_and_dropout_sites_the_serial_dropouts():
+    serial = tiny_gpt(dropout=0.1)
+    parallel = tp.tensor_parallel_gpt(tiny_gpt(dropout=0.1), dist.world(), sequence_parallel=True)
+    shards = parallel.shards()
+    assert sorted(s.name for s in shards) == sorted(dict(serial.named_parameters()))
+    assert {s.name for s in shards if s.replicated} == {s.name for s in shards if s.partial} | {"wpe.weight"}
+    wte = next(s for s in shards if s.name == "wte.weight")
+    assert (wte.axis, wte.start, wte.stop) == (0, dist.get_rank() * VOCAB // 2, (dist.get_rank() + 1) * VOCAB // 2)
+    p, name, axis, start, stop, partial = wte  # tp_runner.py and train.py still unpack 6-tuples
+    assert (p, name, axis, start, stop, partial) == (wte.param, "wte.weight", 0, wte.start, wte.stop, False)
+    sites = {m.dropout_site for m in parallel.modules() if hasattr(m, "dropout_site")}
+    assert sites == {name for name, m in serial.named_modules() if isinstance(m, Dropout)}
+
+
+@pytest.mark.world_size(2)
 def test_region_functions_forward_and_backward():
     g, r = dist.world(), dist.get_rank()
     rng = np.random.default_rng(5)
@@ -140,8 +156,8 @@ def test_region_functions_forward_and_backward():
 
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("config, message", [
-    (dict(n_head=2, width=16), "number of attention heads = 2"),
-    (dict(vocab=30), "vocabulary size = 30"),
+    ({"n_head": 2, "width": 16}, "number of attention heads = 2"),
+    ({"vocab": 30}, "vocabulary size = 30"),
 ])
 def test_impossible_splits_say_what_to_change(config, message):
     with pytest.raises(ValueError, match=message):
