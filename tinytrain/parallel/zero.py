@@ -9,11 +9,12 @@ every parameter and is the only one to update it::
     parameter p (flattened):  [ piece 0 | piece 1 | piece 2 | piece 3 ]     N = 4
                                 rank 0    rank 1    rank 2    rank 3
 
-    stage 1  optimizer state sharded      each rank: full W, full g,  m,v of its piece
-    stage 2  + gradients sharded          each rank: full W,    g piece, m,v of its piece
-    stage 3  + parameters sharded         each rank:    W piece, g piece, m,v of its piece
+    ZeroStage1  optimizer state sharded     each rank: full W, full g,  m,v of its piece
+    ZeroStage2  + gradients sharded         each rank: full W,    g piece, m,v of its piece
+    ZeroStage3  + parameters sharded        each rank:    W piece, g piece, m,v of its piece
 
-One step, per stage (forward → backward → step):
+Each stage is a class that builds on the one before and overrides only what changes; read them in
+order. ``Zero(module, optimizer, stage=k)`` picks one. One step, per stage:
 
     stage 1, 2   forward/backward on full W (no communication in forward)
                  g ── reduce_scatter(avg) ──► my piece of the averaged g   (stage 2: right when
@@ -36,8 +37,11 @@ stages 1 and 2 send the same as reduce-scatter + all-gather; stage 3 gathers twi
 Stage 3 and our autograd: a layer's graph keeps references to the arrays it computed with,
 parameters included, until backward. Freeing W after forward would therefore free nothing, so a
 stage-3 layer runs its forward without a graph and, in backward, gathers W again and recomputes
-its forward with a graph (activation checkpointing). Dropout would draw a new mask in the
-recompute, so stage 3 needs dropout 0.
+its forward with a graph (activation checkpointing).
+
+The pieces are public: ``zero.shards`` is a list of :class:`ShardedParam` in parameter order, whose
+``.state`` (optimizer state of my piece) and ``.data`` (stage 3: my piece of W) a checkpoint may
+read and write in place.
 """
 
 from __future__ import annotations
@@ -46,62 +50,73 @@ import contextlib
 import math
 
 from tinytrain import distributed as dist
-from tinytrain import trace
-from tinytrain.autograd import Function, Tensor, enable_grad, no_grad
+from tinytrain.autograd import Tensor
 from tinytrain.backend import xp
-from tinytrain.parallel.data_parallel import Wrapper, broadcast_parameters, trainable
+from tinytrain.parallel.data_parallel import Wrapper
+from tinytrain.parallel.zero_units import ShardedUnit, gpt_units
 
 _EMPTY = xp.zeros(0, dtype=xp.float32)  # what a stage-3 parameter holds between uses
 
 
 class ShardedParam:
-    """One trainable parameter and the piece of it this rank owns."""
+    """One trainable parameter ``p`` and the piece ``[start, stop)`` of it (flattened) this rank owns.
+
+    ``sizes``: every rank's piece length. ``grad``: my piece of the averaged gradient (None between
+    steps). ``state``: the optimizer state of my piece (None before the first step). ``data``:
+    stage 3 only, my piece of the parameter (``p.data`` is then empty except while gathered)."""
 
     def __init__(self, p, rank: int, n: int):
         self.p, self.shape = p, p.shape
         self.sizes = dist.split_counts(p.size, n)  # elements of piece 0, 1, ..., N-1
         self.start = sum(self.sizes[:rank])
         self.stop = self.start + self.sizes[rank]
-        self.grad = None  # my piece of the averaged gradient
-        self.state = None  # optimizer state of my piece
-        self.data = None  # stage 3 only: my piece of the parameter (p.data is freed)
-        self.users = 0  # stage 3: how many layers use p (a tied weight: 2)
-        self.pending_users = 0  # stage 3: users whose backward has not run yet this step
+        self.grad = None
+        self.state = None
+        self.data = None
+        self.users = self.pending_users = 0  # stage 3: layers using p (tied: 2), not yet backpropagated
 
     def my_piece(self, full):
         return full.reshape(-1)[self.start:self.stop]
 
 
-class Zero(Wrapper):
-    """ZeRO stage 1, 2 or 3 around ``module`` with the update rule of ``optimizer`` (SGD or AdamW).
+# ================================================================================================
+# Stage 1: optimizer state sharded
+# ================================================================================================
 
-    Use it like DDP: ``loss = zero(x) ...; zero.backward(loss); zero.step()`` (and
-    ``optimizer.zero_grad()`` as usual). ``units`` (stage 3) lists the layers gathered one at a
-    time, as (name, callable, parameters); by default :func:`gpt_units` of a GPT.
+
+class ZeroStage1(Wrapper):
+    """ZeRO-1 around ``module`` with the update rule of ``optimizer`` (SGD or AdamW).
+
+    Use it like DDP: ``loss = zero(x) ...; zero.backward(loss); zero.step()`` (``optimizer.zero_grad()``
+    as usual). ``module`` may also be a list of Parameters (a pipeline stage): then nothing wraps the
+    forward; run backward yourself (gradients accumulate in ``p.grad``), then call
+    ``finish_gradient_sync()``, optionally ``clip_grad_norm_``, and ``step()``.
     """
 
-    def __init__(self, module, optimizer, stage: int = 1, group=None, units=None):
-        if stage not in (1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
-        super().__init__(module)
-        self.optimizer, self.stage, self.group = optimizer, stage, group
+    stage = 1
+
+    def __init__(self, module, optimizer, group=None):
+        if isinstance(module, (list, tuple)):
+            super().__init__(None)
+            self.named = [(str(i), p) for i, p in enumerate(module)]
+        else:
+            super().__init__(module)
+            self.named = list(module.named_parameters())
+        self.optimizer, self.group = optimizer, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        broadcast_parameters(module, group=group)  # same start everywhere, then shard
-        self.shards = [ShardedParam(p, self.rank, self.world_size) for p in trainable(module)]
+        for _, p in self.named:  # same start everywhere, then shard
+            dist.broadcast(p.data, src=0, group=group)
+        self.shards = [ShardedParam(p, self.rank, self.world_size) for _, p in self.named if p.requires_grad]
         self.shard_of = {id(s.p): s for s in self.shards}
         self.require_sync = True
-        self.pending = []  # (shard, async reduce_scatter) not yet waited for
+        self.pending = []  # (shard, async reduce_scatter) not yet waited for (stages 2, 3)
         self.gathered_bytes = self.peak_gathered_bytes = 0
-        if stage == 2:
-            for s in self.shards:
-                s.p.register_post_accumulate_grad_hook(self._grad_ready)
-        if stage == 3:
-            self._shard_parameters(units if units is not None else gpt_units(module))
 
     def __call__(self, *args, **kwargs):
-        return self._forward_stage3(*args) if self.stage == 3 else super().__call__(*args, **kwargs)
-
-    # --- gradients: reduce-scatter into pieces --------------------------------------------------
+        if self.module is None:
+            raise TypeError("this ZeRO holds a list of parameters, not a module: run the forward and backward "
+                            "yourself, then call finish_gradient_sync() and step()")
+        return super().__call__(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -113,20 +128,127 @@ class Zero(Wrapper):
         finally:
             self.require_sync = previous
 
-    def _reduce_scatter(self, s, async_op: bool = False):
-        """Average p.grad over the ranks; this rank keeps its piece. Stage 1 writes the piece
-        into p.grad itself (no extra memory); stages 2, 3 make a new piece and drop p.grad."""
+    # --- gradients: reduce-scatter into pieces --------------------------------------------------
+
+    def _reduce_scatter(self, s, out=None, async_op: bool = False):
+        """Average p.grad over the ranks; this rank keeps its piece (written into ``out`` if given)."""
         flat = s.p.grad.reshape(-1)
-        out = s.my_piece(flat) if self.stage == 1 else None
         # BEGIN SOLUTION 3.1 "reduce_scatter flat with op='avg', sizes=s.sizes, group=self.group, out=out, async_op=async_op, and return the result."
         return dist.reduce_scatter(flat, op="avg", group=self.group, sizes=s.sizes, out=out, async_op=async_op)
         # END SOLUTION
 
-    def _keep_piece(self, s, piece) -> None:
-        s.grad = piece if s.grad is None or self.stage == 1 else s.grad + piece
+    def after_backward(self) -> None:
+        self.finish_gradient_sync()
+
+    def finish_gradient_sync(self) -> None:
+        """Make every rank's gradient pieces final for this step. Stage 1 reduce-scatters the full
+        gradients now, writing my piece into p.grad itself (a view: no extra memory)."""
+        if not self.require_sync:
+            return  # accumulate full gradients; the last micro-batch reduce-scatters
+        # BEGIN SOLUTION 3.1 "For every shard: zeros if p.grad is None; reduce-scatter it with out=s.my_piece(p.grad) and keep the piece in s.grad."
+        for s in self.shards:
+            if s.p.grad is None:
+                s.p.grad = xp.zeros_like(s.p.data)
+            s.grad = self._reduce_scatter(s, out=s.my_piece(s.p.grad))
+        # END SOLUTION
+
+    # --- clipping and the optimizer step on my pieces ---------------------------------------------
+
+    def grad_square_sums(self, is_sharded=lambda p: False) -> tuple[float, float]:
+        """(Σ g² over parameters where ``is_sharded(p)``, Σ g² over the others), summed over this
+        ZeRO group's pieces. A composed layout adds the first over its other (e.g. tensor-parallel)
+        groups before taking the norm; call after finish_gradient_sync(), on every rank."""
+        sq = xp.zeros(2, dtype=xp.float64)
+        for s in self.shards:
+            if s.grad is not None:
+                sq[0 if is_sharded(s.p) else 1] += float((s.grad.astype(xp.float64) ** 2).sum())
+        sq = dist.all_reduce(sq, group=self.group)
+        return float(sq[0]), float(sq[1])
+
+    def clip_grad_norm_(self, max_norm: float, total_norm: float | None = None) -> float:
+        """Scale my gradient pieces so the global norm is at most ``max_norm``; return the norm.
+        Without ``total_norm`` it is this group's (one all-reduce of the squares of the pieces)."""
+        if total_norm is None:
+            total_norm = math.sqrt(sum(self.grad_square_sums()))
+        if max_norm > 0 and total_norm > max_norm:
+            for s in self.shards:
+                if s.grad is not None:
+                    s.grad *= max_norm / (total_norm + 1e-6)
+        return total_norm
+
+    def _param_piece(self, s):
+        return s.my_piece(s.p.data)  # a view: updating it updates p.data
+
+    def step(self, optimizer=None) -> None:
+        """Update my piece of every parameter, then share the result (stages 1, 2: all-gather)."""
+        self.optimizer = optimizer or self.optimizer  # the training loop may hand it over late
+        for s in self.shards:
+            if s.grad is None:
+                continue
+            # BEGIN SOLUTION 3.1 "Create s.state with optimizer.init_state on first use, then optimizer.update my piece of the parameter (self._param_piece(s)) with s.grad."
+            piece = self._param_piece(s)
+            if s.state is None:
+                s.state = self.optimizer.init_state(piece)
+            self.optimizer.update(piece, s.grad, s.state)
+            # END SOLUTION
+            s.grad = None  # used up (stage 1: a view of p.grad, which zero_grad() drops)
+        self._after_update()
+
+    def _after_update(self) -> None:
+        for s in self.shards:
+            # BEGIN SOLUTION 3.1 "all_gather my piece (sizes=s.sizes) straight into p.data (out=p.data.reshape(-1))."
+            dist.all_gather(s.my_piece(s.p.data), group=self.group, sizes=s.sizes, out=s.p.data.reshape(-1))
+            # END SOLUTION
+
+    # --- what this rank holds -----------------------------------------------------------------------
+
+    def memory(self) -> dict:
+        """Bytes this rank holds now, measured: per parameter the full W and g where it has them, else
+        its pieces (stage 1's piece of g is a view into p.grad), and the optimizer state of its pieces;
+        apart, the peak of temporarily gathered parameters (stage 3) and frozen parameters."""
+        held = lambda full, piece: full.nbytes if full is not None and full.size else getattr(piece, "nbytes", 0)
+        return {"params": sum(held(s.p.data, s.data) for s in self.shards),
+                "grads": sum(held(s.p.grad, s.grad) for s in self.shards),
+                "optimizer": self._state_bytes(), "gathered_peak": self.peak_gathered_bytes,
+                "frozen": sum(p.nbytes for _, p in self.named if not p.requires_grad)}
+
+    def _state_bytes(self) -> int:
+        return sum(a.nbytes for s in self.shards if s.state for a in s.state.values() if hasattr(a, "nbytes"))
+
+    def optimizer_bytes_per_element(self) -> int:
+        """State bytes per parameter element (AdamW 8, SGD with momentum 4), measured."""
+        return round(self._state_bytes() / max(1, sum(s.stop - s.start for s in self.shards)))
+
+    def materialize(self) -> None:
+        """Put every full parameter into the model (stages 1, 2 always hold them)."""
+
+    def full_parameters(self) -> dict:
+        """name -> full parameter array (stage 3 gathers them: all ranks must call). With a list
+        of parameters the names are their positions, "0", "1", ..."""
+        return {name: self._full(p) for name, p in self.named}
+
+    def _full(self, p):
+        return p.data.copy()
+
+
+# ================================================================================================
+# Stage 2: + gradients sharded
+# ================================================================================================
+
+
+class ZeroStage2(ZeroStage1):
+    """ZeRO-2: each gradient is reduce-scattered the moment backward completes it (its
+    post-accumulate hook), overlapping with the rest of backward, and the full p.grad is dropped."""
+
+    stage = 2
+
+    def __init__(self, module, optimizer, group=None):
+        super().__init__(module, optimizer, group)
+        for s in self.shards:
+            s.p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _grad_ready(self, p) -> None:
-        """Stage 2: the engine says p.grad is complete; start its reduce-scatter and free p.grad."""
+        """The engine says p.grad is complete; start its reduce-scatter and free p.grad."""
         s = self.shard_of[id(p)]
         # BEGIN SOLUTION 3.2 "If p.grad is None use zeros; launch an async reduce-scatter of p's gradient (self._reduce_scatter), append (s, work) to self.pending, then set p.grad = None."
         if p.grad is None:
@@ -135,64 +257,32 @@ class Zero(Wrapper):
         p.grad = None  # the collective copied it: the full gradient is not kept
         # END SOLUTION
 
-    def after_backward(self) -> None:
-        self.finish_gradient_sync()
-
     def finish_gradient_sync(self) -> None:
-        """Make every rank's gradient pieces final for this backward."""
-        if self.stage == 1:
-            if not self.require_sync:
-                return  # accumulate full gradients; the last micro-batch reduce-scatters
-            # BEGIN SOLUTION 3.1 "For every shard, reduce-scatter its gradient (zeros if p.grad is None) and keep the piece in s.grad."
-            for s in self.shards:
-                if s.p.grad is None:
-                    s.p.grad = xp.zeros_like(s.p.data)
-                self._keep_piece(s, self._reduce_scatter(s))
-            # END SOLUTION
-            return
+        """Wait for the reduce-scatters; add each piece to the pieces of earlier micro-batches."""
         for s, work in self.pending:
-            self._keep_piece(s, work.wait())
+            piece = work.wait()
+            s.grad = piece if s.grad is None else s.grad + piece
         self.pending = []
 
-    # --- the optimizer step on my pieces ---------------------------------------------------------
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip by the global gradient norm: each rank sums the squares of its pieces, one
-        all-reduce adds them up. Call after backward, before step(); returns the norm."""
-        local = sum(float((s.grad.astype(xp.float64) ** 2).sum()) for s in self.shards if s.grad is not None)
-        total = dist.all_reduce(xp.array([local], dtype=xp.float64), group=self.group)
-        norm = math.sqrt(float(total[0]))
-        if max_norm > 0 and norm > max_norm:
-            for s in self.shards:
-                if s.grad is not None:
-                    s.grad *= max_norm / (norm + 1e-6)
-        return norm
+# ================================================================================================
+# Stage 3: + parameters sharded, gathered one layer (unit) at a time
+# ================================================================================================
 
-    def step(self, optimizer=None) -> None:
-        """Update my piece of every parameter, then (stages 1, 2) all-gather the full parameters."""
-        self.optimizer = optimizer or self.optimizer  # the training loop may hand it over late
-        for s in self.shards:
-            if s.grad is None:
-                continue
-            # BEGIN SOLUTION 3.1 "Create s.state with optimizer.init_state on first use, then optimizer.update my piece of the parameter (s.data in stage 3, else a view of p.data) with s.grad."
-            piece = s.data if self.stage == 3 else s.my_piece(s.p.data)
-            if s.state is None:
-                s.state = self.optimizer.init_state(piece)
-            self.optimizer.update(piece, s.grad, s.state)
-            # END SOLUTION
-            s.grad = None  # used up (stage 1: a view of p.grad, which zero_grad() drops)
-        if self.stage < 3:
-            for s in self.shards:
-                # BEGIN SOLUTION 3.1 "all_gather my piece (sizes=s.sizes) straight into p.data (out=p.data.reshape(-1))."
-                dist.all_gather(s.my_piece(s.p.data), group=self.group, sizes=s.sizes, out=s.p.data.reshape(-1))
-                # END SOLUTION
 
-    # --- stage 3: parameters live as pieces, gathered per layer ----------------------------------
+class ZeroStage3(ZeroStage2):
+    """ZeRO-3: parameters live as pieces. ``units`` lists the layers gathered one at a time, as
+    (name, callable, parameters); by default :func:`gpt_units` of a GPT. The forward runs unit by
+    unit (:class:`ShardedUnit`); a gradient is ready once every unit that uses it has run backward."""
 
-    def _shard_parameters(self, units) -> None:
-        if getattr(getattr(self.module, "config", None), "dropout", 0.0):
+    stage = 3
+
+    def __init__(self, module, optimizer, group=None, units=None):
+        if getattr(getattr(module, "config", None), "dropout", 0.0):  # the one dropout check
             raise ValueError("ZeRO-3 recomputes each layer's forward in backward, which would draw new "
                              "dropout masks; use dropout 0 (--dropout 0) with stage 3")
+        super().__init__(module, optimizer, group)
+        units = units if units is not None else gpt_units(module)
         self.units = [(name, fn, [self.shard_of[id(p)] for p in params if id(p) in self.shard_of])
                       for name, fn, params in units]
         for _, _, shards in self.units:
@@ -206,6 +296,11 @@ class Zero(Wrapper):
             s.data = s.my_piece(s.p.data).copy()  # keep my piece ...
             s.p.data = _EMPTY  # ... and free the full parameter
         self.anchor = Tensor(xp.zeros(0, dtype=xp.float32), requires_grad=True)
+
+    def __call__(self, x):
+        for name, fn, shards in self.units:
+            x = ShardedUnit.apply(x, self.anchor, zero=self, fn=fn, shards=shards, name=name)
+        return x
 
     @contextlib.contextmanager
     def gathered(self, shards):
@@ -223,94 +318,42 @@ class Zero(Wrapper):
                 s.p.data = _EMPTY
         # END SOLUTION
 
-    def _unit_backward_done(self, shards) -> None:
-        """A layer's backward ran: reduce-scatter the gradients no other layer still adds to."""
-        for s in shards:
-            s.pending_users -= 1
-            if s.pending_users == 0:  # a tied weight waits for its last user
-                s.pending_users = s.users
-                if s.p.grad is None:
-                    s.p.grad = xp.zeros(s.shape, dtype=s.data.dtype)
-                self.pending.append((s, self._reduce_scatter(s, async_op=True)))
-                s.p.grad = None
+    def _grad_ready(self, p) -> None:
+        """Called after each unit's backward that uses p: a tied weight waits for its last user."""
+        s = self.shard_of[id(p)]
+        s.pending_users -= 1
+        if s.pending_users == 0:
+            s.pending_users = s.users
+            super()._grad_ready(p)
 
-    def _forward_stage3(self, x):
-        for name, fn, shards in self.units:
-            x = _ShardedUnit.apply(x, self.anchor, zero=self, fn=fn, shards=shards, name=name)
-        return x
+    def _param_piece(self, s):
+        return s.data
 
-    # --- memory ----------------------------------------------------------------------------------
-
-    def memory(self) -> dict:
-        """Bytes this rank holds now for trainable parameters, gradients, optimizer state; the
-        peak of temporarily gathered parameters (stage 3) and frozen parameters apart."""
-        if self.stage == 3:
-            params = sum(s.data.nbytes for s in self.shards)
-        else:
-            params = sum(s.p.data.nbytes for s in self.shards)
-        if self.stage == 1:  # full gradients; my piece is a view into them
-            grads = sum(s.p.grad.nbytes for s in self.shards if s.p.grad is not None)
-        else:
-            grads = sum(s.grad.nbytes for s in self.shards if s.grad is not None)
-        optimizer = sum(a.nbytes for s in self.shards if s.state for a in s.state.values() if hasattr(a, "nbytes"))
-        frozen = sum(p.nbytes for p in self.module.parameters() if not p.requires_grad)
-        return {"params": params, "grads": grads, "optimizer": optimizer,
-                "gathered_peak": self.peak_gathered_bytes, "frozen": frozen}
-
-    def optimizer_bytes_per_element(self) -> int:
-        """State bytes per parameter element (AdamW 8, SGD with momentum 4), measured."""
-        state = sum(a.nbytes for s in self.shards if s.state for a in s.state.values() if hasattr(a, "nbytes"))
-        return round(state / max(1, sum(s.stop - s.start for s in self.shards)))
+    def _after_update(self) -> None:
+        """Nothing to share: the next forward gathers each unit's parameters."""
 
     def materialize(self) -> None:
-        """Stage 3: gather every full parameter into the model (until the next forward frees it)."""
+        """Gather every full parameter into the model (until the next forward frees it)."""
         for s in self.shards:
-            s.p.data = dist.all_gather(s.data, group=self.group, sizes=s.sizes).reshape(s.shape)
+            s.p.data = self._full(s.p)
 
-    def full_parameters(self) -> dict:
-        """name -> full parameter array (stage 3 gathers them; all ranks must call)."""
-        out = {}
-        for name, p in self.module.named_parameters():
-            s = self.shard_of.get(id(p))
-            if self.stage == 3 and s is not None:
-                out[name] = dist.all_gather(s.data, group=self.group, sizes=s.sizes).reshape(s.shape)
-            else:
-                out[name] = p.data.copy()
-        return out
+    def _full(self, p):
+        s = self.shard_of.get(id(p))
+        if s is None:  # frozen: every rank holds it whole
+            return p.data.copy()
+        return dist.all_gather(s.data, group=self.group, sizes=s.sizes).reshape(s.shape)
 
 
-class _ShardedUnit(Function):
-    """One stage-3 layer as a single autograd step: gather, run, free; in backward gather again,
-    recompute with a graph, backpropagate, free, reduce-scatter. ``anchor`` is a 0-element tensor
-    that requires grad, so the engine records this step even when ``x`` is token ids."""
-
-    @staticmethod
-    def forward(ctx, x, anchor, *, zero, fn, shards, name):
-        ctx.zero, ctx.layer, ctx.shards, ctx.name = zero, fn, shards, name
-        ctx.save_for_backward(x)  # the layer's input: the one activation a checkpoint keeps
-        with zero.gathered(shards), no_grad(), trace.span(f"forward {name}", cat="compute"):
-            return fn(Tensor(x)).data
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved
-        zero = ctx.zero
-        with zero.gathered(ctx.shards), trace.span(f"backward {ctx.name}", cat="compute"):
-            with enable_grad():
-                inp = Tensor(x, requires_grad=x.dtype.kind == "f")
-                out = ctx.layer(inp)
-            out.backward(grad)
-        zero._unit_backward_done(ctx.shards)
-        return inp.grad, None
+ZERO_STAGES = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
 
 
-def gpt_units(model) -> list:
-    """A GPT's layers for stage 3: embeddings, each block, final LayerNorm + (tied) head."""
-    head = [model.wte.weight] if model.head is None else model.head.parameters()
-    units = [("embed", model.embed, [model.wte.weight, model.wpe.weight])]
-    units += [(f"block {i}", block, block.parameters()) for i, block in enumerate(model.blocks)]
-    units.append(("head", model.logits, model.ln_f.parameters() + list(head)))
-    return units
+def Zero(module, optimizer, stage: int = 1, group=None, units=None):
+    """ZeRO stage 1, 2 or 3 around ``module`` (or, stages 1 and 2, a list of parameters)."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+    if units is not None:
+        return ZERO_STAGES[stage](module, optimizer, group=group, units=units)
+    return ZERO_STAGES[stage](module, optimizer, group=group)
 
 
 def unsharded_memory(module, optimizer) -> dict:
