@@ -1,5 +1,6 @@
 """ZeRO 1/2/3 (tinytrain/parallel/zero.py): equivalence with the serial run, the ZeRO paper's
-memory figures measured from the arrays each rank holds, and exact communication volumes.
+memory figures measured from the arrays each rank holds, and exact communication volumes; ZeRO-1
+over a plain list of parameters (a pipeline stage), and clipping in a composed layout.
 
 Tolerances against the serial run as in test_data_parallel.py (SGD atol 1e-6, AdamW 2e-4 at lr
 1e-2). On 2 ranks every sum is a + b, the same bits in any order, so there ZeRO and DDP agree
@@ -11,18 +12,34 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from parallel_cases import (
+    T,
+    assert_params_close,
+    assert_same_on_all_ranks,
+    global_batch,
+    make_optimizer,
+    serial_params,
+    tiny_gpt,
+    train,
+)
 
-from parallel_cases import (assert_params_close, assert_same_on_all_ranks, global_batch, make_optimizer,
-                            serial_params, tiny_gpt, train)
 from tinytrain import distributed as dist
 from tinytrain import functional as F
 from tinytrain.backend import xp
 from tinytrain.data import shard_rows
 from tinytrain.nn import GPT, GPTConfig
 from tinytrain.parallel.data_parallel import NaiveDDP, trainable
-from tinytrain.parallel.zero import Zero, gpt_units, unsharded_memory
+from tinytrain.parallel.zero import (
+    ZERO_STAGES,
+    Zero,
+    ZeroStage1,
+    ZeroStage2,
+    ZeroStage3,
+    gpt_units,
+    unsharded_memory,
+)
 
-TOL = {"sgd": dict(rtol=1e-5, atol=1e-6), "adamw": dict(rtol=1e-4, atol=2e-4)}
+TOL = {"sgd": {"rtol": 1e-5, "atol": 1e-6}, "adamw": {"rtol": 1e-4, "atol": 2e-4}}
 STEPS, ROWS = 2, 24  # 24 rows: 2, 3 or 4 ranks each get an even number
 
 
@@ -69,11 +86,11 @@ def test_on_two_ranks_zero_and_ddp_agree_bitwise():
     want = {k: p.data for k, p in model.named_parameters()}
     for stage in (1, 2, 3):
         got = run_zero(stage, "adamw").full_parameters()
-        for k in want:
+        for k, w in want.items():
             if stage < 3:
-                assert np.array_equal(got[k], want[k]), f"ZeRO-{stage}: {k} differs from DDP in its bits"
+                assert np.array_equal(got[k], w), f"ZeRO-{stage}: {k} differs from DDP in its bits"
             else:
-                np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+                np.testing.assert_allclose(got[k], w, rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def my_elements(zero) -> int:
@@ -179,3 +196,66 @@ def test_impossible_settings_say_what_to_change():
         Zero(dropout, make_optimizer("sgd", dropout), stage=3)
     with pytest.raises(ValueError, match="belong to no unit"):
         Zero(model, make_optimizer("sgd", model), stage=3, units=gpt_units(model)[:-1])
+
+
+def test_the_stages_build_on_each_other():
+    assert issubclass(ZeroStage3, ZeroStage2) and issubclass(ZeroStage2, ZeroStage1)
+    assert {k: cls.stage for k, cls in ZERO_STAGES.items()} == {1: 1, 2: 2, 3: 3}
+    model = tiny_gpt()
+    for k, cls in ZERO_STAGES.items():
+        zero = Zero(model if k < 3 else tiny_gpt(), make_optimizer("sgd", model), stage=k)
+        assert type(zero) is cls and zero.stage == k
+        assert [s.p for s in zero.shards] == trainable(zero.module), "zero.shards: one piece per parameter, in order"
+
+
+@pytest.mark.parametrize("n", [pytest.param(k, marks=pytest.mark.world_size(k)) for k in (2, 4)])
+def test_zero1_over_a_list_of_parameters_like_a_pipeline_stage(n):
+    """A pipeline stage is not a Module: ZeRO-1 gets its parameters as a list; the caller runs a plain
+    backward per micro-batch (gradients accumulate in p.grad), then finish_gradient_sync() and step()."""
+    rank, steps = dist.get_rank(), 3
+    model = tiny_gpt()
+    opt = make_optimizer("adamw", model)
+    zero = Zero(model.parameters(), opt, stage=1)
+    assert zero.module is None and len(zero.shards) == len(model.parameters())
+
+    def finish_and_step():
+        zero.finish_gradient_sync()
+        zero.clip_grad_norm_(1e9)
+        zero.step()
+
+    train(model, lambda loss: loss.backward(), finish_and_step, opt, steps, ROWS, rank, n, accum=2)
+    got = {name: p.data for name, p in model.named_parameters()}
+    assert_params_close(got, serial_params("adamw", steps, ROWS), **TOL["adamw"], what="ZeRO-1 over a parameter list")
+    assert_same_on_all_ranks(got)
+    assert all(s.state is not None and s.state["step"] == steps for s in zero.shards)
+    assert sorted(zero.full_parameters(), key=int) == [str(i) for i in range(len(zero.shards))]
+    with pytest.raises(TypeError, match="list of parameters"):
+        zero(xp.zeros((1, T), dtype=xp.int64))
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_square_sums_split_by_a_predicate_and_clipping_by_a_given_norm(stage):
+    """A hybrid runner asks for (Σ g² of sharded weights, Σ g² of replicated ones) over the ZeRO
+    group, adds the first over its other groups, and clips the pieces by the norm it computed."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x, y = global_batch(0, ROWS)
+    serial = tiny_gpt()
+    F.cross_entropy(serial(xp.asarray(x)), xp.asarray(y)).backward()
+    want = {name: p.grad.astype(np.float64) for name, p in serial.named_parameters()}
+
+    def mlp(name):  # the "sharded" weights of this test
+        return ".mlp." in name
+
+    model = tiny_gpt()
+    zero = Zero(model, make_optimizer("sgd", model), stage=stage)
+    zero.backward(F.cross_entropy(zero(xp.asarray(shard_rows(x, rank, n))), xp.asarray(shard_rows(y, rank, n))))
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    sharded, replicated = zero.grad_square_sums(lambda p: mlp(name_of[id(p)]))
+    assert sharded == pytest.approx(sum((g ** 2).sum() for k, g in want.items() if mlp(k)), rel=1e-5)
+    assert replicated == pytest.approx(sum((g ** 2).sum() for k, g in want.items() if not mlp(k)), rel=1e-5)
+    total = 2.0 * np.sqrt(sharded + replicated)  # as if another group had added as much again
+    assert zero.clip_grad_norm_(1e-3, total_norm=total) == total
+    scale = 1e-3 / (total + 1e-6)
+    for s in zero.shards:
+        np.testing.assert_allclose(s.grad / scale, s.my_piece(want[name_of[id(s.p)]]), rtol=1e-4, atol=1e-6)
