@@ -8,7 +8,11 @@ the environment variable ``TINYTRAIN_DEVICE``:
     gpu   CuPy; a missing CuPy or an unusable GPU is a clear error, never a CUDA traceback
     auto  CuPy when ``cupy.cuda.is_available()``, else NumPy          (the default setting)
 
-Under MPI, :func:`select_device_for_rank` gives each rank on a node its own GPU.
+Under MPI, each rank on a node gets its own GPU: ``tinytrain.distributed.init()`` calls
+:func:`select_device_for_rank` with the rank's *local* rank (its rank among the ranks on the same
+node), which uses GPU ``local_rank % number_of_gpus``. ``TINYTRAIN_GPU=<index>`` overrides that:
+every rank of the process uses GPU ``<index>`` (of those ``CUDA_VISIBLE_DEVICES`` leaves visible).
+On the CPU all of this is a no-op.
 """
 
 from __future__ import annotations
@@ -24,6 +28,31 @@ class BackendError(RuntimeError):
     """The requested device cannot be used."""
 
 
+def gpu_for_rank(local_rank: int, count: int) -> int:
+    """The GPU index for node-local rank ``local_rank`` among ``count`` GPUs.
+
+    ``local_rank % count``, unless ``TINYTRAIN_GPU`` is set: then that index, on every rank.
+    """
+    override = os.environ.get("TINYTRAIN_GPU", "").strip()
+    if override:
+        if not override.isdigit() or int(override) >= count:
+            raise BackendError(
+                f"TINYTRAIN_GPU={override!r} is not a GPU index of this machine (0..{count - 1}); "
+                "unset it to give each rank its own GPU."
+            )
+        return int(override)
+    return local_rank % count
+
+
+def _launcher_local_rank() -> int:
+    """The node-local rank the MPI launcher put in the environment (MPICH, Open MPI), else 0."""
+    for name in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def _load_cupy():
     """Import CuPy and prove a GPU answers; return the module or raise BackendError with a fix."""
     try:
@@ -37,6 +66,9 @@ def _load_cupy():
     try:
         if not cupy.cuda.is_available():
             raise BackendError("no CUDA device is visible")
+        # Pick this rank's GPU before the first touch (which creates a CUDA context on the current
+        # device), so that ranks do not all start a context on GPU 0. init() confirms the choice.
+        cupy.cuda.Device(gpu_for_rank(_launcher_local_rank(), cupy.cuda.runtime.getDeviceCount())).use()
         cupy.zeros(1).sum().item()  # touch the device: fails here, not deep inside a model
     except BackendError as exc:
         raise BackendError(
@@ -110,12 +142,16 @@ def index_add(target, index, values) -> None:
         numpy.add.at(target, index, values)
 
 
+def gpu_count() -> int:
+    """How many GPUs this process sees (0 on the CPU backend)."""
+    return xp.cuda.runtime.getDeviceCount() if on_gpu else 0
+
+
 def select_device_for_rank(local_rank: int) -> int | None:
-    """Bind this process to GPU ``local_rank % device_count``; return its id, or None on the CPU."""
+    """Bind this process to its GPU (:func:`gpu_for_rank`); return the index, or None on the CPU."""
     if not on_gpu:
         return None
-    count = xp.cuda.runtime.getDeviceCount()
-    dev = local_rank % count
+    dev = gpu_for_rank(local_rank, gpu_count())
     xp.cuda.Device(dev).use()
     return dev
 

@@ -30,7 +30,8 @@ import time
 
 enabled: bool = os.environ.get("TINYTRAIN_TRACE", "0") not in ("", "0")
 _spans: list[dict] = []
-_rank: int | None = None
+_rank: int | None = None  # set by tinytrain.distributed (see set_rank)
+_merge = None  # set by tinytrain.distributed (see set_merge)
 
 # Wall-clock anchor: perf_counter is precise but its zero differs per process; time.time is shared.
 _WALL0_US = time.time() * 1e6
@@ -58,15 +59,14 @@ def spans() -> list[dict]:
     return _spans
 
 
-def _my_rank() -> int:
-    if _rank is not None:
-        return _rank
-    try:  # layering: trace imports nothing above it at module level
-        from tinytrain import distributed
+def set_rank(rank: int | None) -> None:
+    """The rank spans are recorded under (``tinytrain.distributed`` sets it when it starts; None: 0)."""
+    global _rank
+    _rank = rank
 
-        return distributed.get_rank() if distributed.is_initialized() else 0
-    except Exception:
-        return 0
+
+def _my_rank() -> int:
+    return 0 if _rank is None else _rank
 
 
 def record(name: str, cat: str, start: float, end: float, **args) -> None:
@@ -94,30 +94,25 @@ def span(name: str, cat: str = "compute", **args):
 def merge(group=None) -> list[dict] | None:
     """Collect every rank's spans on rank 0 of ``group``; return them there, None elsewhere.
 
-    Uses tinytrain's own collectives (tracing is paused while it runs, so the merge does not
-    record itself).
+    The collecting is done by ``tinytrain.distributed`` with its own collectives (this module sits
+    below it and imports nothing of it: importing ``tinytrain.distributed`` registers the merge
+    with :func:`set_merge`). Tracing is paused while it runs, so the merge does not record itself.
+    Without ``tinytrain.distributed`` there is one process, and its spans are all there is.
     """
     global enabled
-    from tinytrain import distributed as dist
-    import numpy
-
+    if _merge is None:
+        return list(_spans)
     was, enabled = enabled, False
     try:
-        if not dist.is_initialized():
-            return list(_spans)
-        blob = numpy.frombuffer(json.dumps(_spans).encode(), dtype=numpy.uint8).copy()
-        length = numpy.array([blob.size], dtype=numpy.int64)
-        lengths = dist.all_gather(length, group=group)
-        everything = dist.all_gather(blob, group=group, sizes=[int(n) for n in lengths])
-        if dist.get_rank(group) != 0:
-            return None
-        merged, offset = [], 0
-        for n in lengths:
-            merged.extend(json.loads(everything[offset : offset + int(n)].tobytes().decode()))
-            offset += int(n)
-        return merged
+        return _merge(_spans, group)
     finally:
         enabled = was
+
+
+def set_merge(fn) -> None:
+    """Use ``fn(spans, group)`` for :func:`merge`: every rank's spans on rank 0 of ``group``, None elsewhere."""
+    global _merge
+    _merge = fn
 
 
 def to_chrome(span_list: list[dict]) -> dict:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tinytrain import distributed as dist
-from tinytrain.distributed import collectives
+from tinytrain.distributed import algorithms, collectives
 from tinytrain.distributed._mpi import MPI
 
 CUT = ["_ring_reduce_scatter", "_ring_all_gather", "_all_reduce_ring", "_all_to_all_pairwise", "_broadcast_tree"]
@@ -21,7 +21,7 @@ def _stub(*args, **kwargs):
 @pytest.fixture
 def released(monkeypatch):
     for name in CUT:
-        monkeypatch.setattr(collectives, name, _stub)
+        monkeypatch.setattr(algorithms, name, _stub)
 
 
 @pytest.mark.world_size(4)
@@ -63,6 +63,20 @@ def test_assignment_copies_never_fall_back():
     """The stand-ins are the framework's; an assignment must raise its TODOs for the grader."""
     import assignments.a1_collectives as a1
 
-    assert collectives._FRAMEWORK_COPY and not a1._FRAMEWORK_COPY
-    assert not a1._cut_out(a1._ring_reduce_scatter)
-    assert collectives._cut_out(_stub) and not collectives._cut_out(collectives._reduce_tree)
+    assert algorithms._public.stand_ins and not a1._public.stand_ins
+    assert not a1._public._cut_out("_ring_reduce_scatter")
+    assert collectives.is_stub(_stub) and not collectives.is_stub(algorithms._ring_reduce_scatter)
+
+
+def test_the_assignment_runs_its_own_algorithms_behind_the_framework_functions(monkeypatch):
+    """``a1.all_reduce`` is the framework's all_reduce, driving the algorithms of the assignment file."""
+    import assignments.a1_collectives as a1
+
+    x = np.ones(4)
+    with pytest.raises(NotImplementedError, match="TODO 1.3"):
+        a1.all_reduce(x, algo="ring")
+    np.testing.assert_array_equal(a1.all_reduce(x, algo="recursive_doubling"), np.full(4, dist.get_world_size()))
+    called = []
+    monkeypatch.setattr(a1, "_broadcast_tree", lambda c, flat, root: called.append(root) or iter(()))
+    a1.broadcast(x, src=0, algo="tree")
+    assert called == [0]

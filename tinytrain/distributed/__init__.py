@@ -12,33 +12,36 @@ The API follows ``torch.distributed``::
     mesh = dist.DeviceMesh({"dp": 2, "tp": 2})   # TP innermost: rank = dp * 2 + tp
     tp = mesh.get_group("tp")
 
-Files, in reading order: ``group.py`` (init, groups, mesh), ``p2p.py`` (send/recv, the
-``Exchange`` step every algorithm is built from), ``collectives.py`` (the algorithms, with ring
-diagrams), ``watchdog.py`` (deadlines, peer failure, debug checks), ``stats.py`` (bytes).
+Files, in reading order (each imports only files above it): ``watchdog.py`` (deadlines, peer
+failure), ``group.py`` (init, groups, mesh), ``p2p.py`` (send/recv, the ``Exchange`` step every
+algorithm is built from), ``stats.py`` (bytes), ``work.py`` (a call's steps, async handles,
+progress, debug-mode signature checks), ``chunks.py``, ``doubling.py`` and ``rooted.py`` (the
+latency-optimal and the root-centred algorithms, the stand-ins), ``checks.py`` and
+``collectives.py`` (the public functions and their argument checks, over a module of
+algorithms), ``algorithms.py`` (ring, pairwise and tree algorithms with their diagrams: assignment
+1 is made from it; ``all_reduce`` and the others exported here are bound at its end),
+``trace_merge.py`` (``tinytrain.trace.merge`` over our all-gather).
 
 Environment: ``TINYTRAIN_TIMEOUT`` (seconds per wait, default 60), ``TINYTRAIN_DEBUG=1``
 (cross-check collective signatures), ``TINYTRAIN_TRACE=1`` (record spans, see tinytrain.trace),
 ``TINYTRAIN_CUDA_AWARE_MPI=0|1`` (override detection), ``TINYTRAIN_SPIN`` (polls before a waiting
-rank yields its core).
+rank yields its core), ``TINYTRAIN_GPU=<index>`` (the GPU every rank of this process uses; by default
+``init()`` gives local rank r GPU r mod the number of GPUs, see ``tinytrain.backend``).
 """
 
-from .collectives import (
-    OPS,
-    Work,
+from . import trace_merge
+from .algorithms import (
     all_gather,
     all_reduce,
     all_to_all,
     barrier,
     broadcast,
     gather,
-    progress_all,
     reduce,
     reduce_scatter,
     scatter,
-    split_counts,
-    start_progress_thread,
-    stop_progress_thread,
 )
+from .chunks import OPS, split_counts
 from .group import (
     DeviceMesh,
     NonMember,
@@ -53,5 +56,6 @@ from .group import (
 from .p2p import P2PWork, cuda_aware, irecv, isend, recv, send, sendrecv
 from .stats import CommStats, comm_stats, totals
 from .watchdog import CollectiveMismatch, CommTimeout, DistributedError, PeerFailure, report_failure
+from .work import Work, progress_all, start_progress_thread, stop_progress_thread
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -14,15 +14,19 @@ fresh communicator for every test with :func:`_install_world`.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 import zlib
 
+from tinytrain import backend, trace
+
 from . import watchdog
 from ._mpi import MPI
 
-_world: "ProcessGroup | None" = None
+_world: ProcessGroup | None = None
 _owned_comms: list = []  # communicators we created and must free when the world is replaced
+_uninstall_hooks: list = []  # called whenever the world goes (work.py forgets its pending handles)
 
 
 class ProcessGroup:
@@ -71,12 +75,43 @@ def init(comm=None) -> ProcessGroup:
 
     ``comm`` defaults to ``MPI.COMM_WORLD``; it is duplicated, never used directly. Also installs an
     exception hook so that a rank dying of an uncaught exception tells the others at once (they
-    raise :class:`PeerFailure` instead of waiting for their deadline).
+    raise :class:`PeerFailure` instead of waiting for their deadline), and on a GPU binds this rank
+    to its own GPU (:func:`tinytrain.backend.select_device_for_rank` with the node-local rank).
     """
     if _world is None:
-        _install_world(MPI.COMM_WORLD if comm is None else comm)
+        comm = MPI.COMM_WORLD if comm is None else comm
+        _install_world(comm)
         _install_excepthook()
+        _bind_gpu(comm)
     return _world
+
+
+def local_rank(comm) -> int:
+    """This process's rank among the ranks of ``comm`` on the same node.
+
+    From the launcher when it says (MPICH/Hydra: ``MPI_LOCALRANKID``; Open MPI:
+    ``OMPI_COMM_WORLD_LOCAL_RANK``), else from MPI (a communicator split by shared memory; collective).
+    """
+    for name in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        if os.environ.get(name, "").strip().isdigit():
+            return int(os.environ[name])
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
+
+
+def _bind_gpu(comm) -> int | None:
+    """Each rank on a node its own GPU (a no-op on the CPU). Returns the GPU index or None."""
+    if not backend.on_gpu:
+        return None
+    return backend.select_device_for_rank(local_rank(comm))
+
+
+def on_uninstall(hook) -> None:
+    """Call ``hook()`` whenever the world is replaced or forgotten (lets upper layers reset state)."""
+    _uninstall_hooks.append(hook)
 
 
 def is_initialized() -> bool:
@@ -96,6 +131,7 @@ def _install_world(comm, name: str = "world", dup: bool = True) -> ProcessGroup:
     _owned_comms.extend([data, alert])
     _world = ProcessGroup(data, name, tuple(range(data.Get_size())))
     watchdog.install(alert)
+    trace.set_rank(_world.rank)
     return _world
 
 
@@ -104,9 +140,9 @@ def _uninstall_world(free: bool = True) -> None:
     global _world
     _world = None
     watchdog.uninstall()
-    from . import collectives  # noqa: PLC0415  (collectives imports group)
-
-    collectives._forget_pending()
+    trace.set_rank(None)
+    for hook in _uninstall_hooks:
+        hook()
     while _owned_comms:
         comm = _owned_comms.pop()
         if free:
@@ -154,7 +190,7 @@ def resolve(group) -> ProcessGroup:
         group = world()
     if isinstance(group, NonMember):
         me = world().rank
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004 - a usage error (wrong rank), as in torch
             f"rank {me} is not a member of group {group.name} (world ranks {list(group.world_ranks)}); "
             f"call this only on ranks {list(group.world_ranks)}, or build a group that includes "
             f"rank {me}."

@@ -1,0 +1,189 @@
+"""The collective algorithms of assignment 1: ring reduce-scatter, all-gather and all-reduce,
+pairwise all-to-all, binomial-tree broadcast. Read it top to bottom.
+
+An algorithm is a generator: each step is one ``yield c.exchange(what, sends=[(buffer, peer)],
+recvs=[(buffer, peer)])``, which posts the step's receives and sends together; the generator
+resumes once they all completed (``work.py`` drives it, with a deadline on every wait). ``c`` is
+the call (``work.Call``): ``c.rank`` and ``c.size`` are this rank's place in the group. Buffers
+are slices of one flat array, cut into chunks by ``chunks.chunk_bounds``.
+
+The other algorithms (recursive doubling and halving-doubling in ``doubling.py``; naive, tree
+reduce, gather, scatter and the student-release stand-ins in ``rooted.py``) and the public
+functions with their argument checks (``collectives.py``) live next door. The last lines of this
+file make the public functions (``all_reduce``, ``reduce_scatter``, ...) run the algorithms of
+*this* module: ``tinytrain.distributed`` exports those, and an assignment copy of this file gets
+its own, running the student's algorithms.
+"""
+
+from __future__ import annotations
+
+from .chunks import chunk_bounds, combine, split_counts, xp_of
+from .collectives import Collectives
+from .rooted import tree_children
+from .work import Call
+
+# =================================================================================================
+# Ring algorithms (bandwidth-optimal): reduce-scatter, all-gather, and all-reduce = both
+# =================================================================================================
+#
+# n ranks stand in a ring; each sends only to its right neighbour and receives from its left.
+# The buffer is cut into n chunks. Reduce-scatter, n=4, chunk c of rank r written r.c:
+#
+#   step 0:  rank 0 sends chunk 0 ->, rank 1 sends chunk 1 ->, ...   each adds what it receives
+#   step 1:  rank 0 sends chunk 3 (now 3.3+3.0) ->, rank 1 sends chunk 0 (0.0+0.1) -> ...
+#   step 2:  ...after n-1 steps rank r holds chunk r+1 summed over all ranks:
+#
+#      rank 0        rank 1        rank 2        rank 3
+#    [ . Σ . . ]   [ . . Σ . ]   [ . . . Σ ]   [ Σ . . . ]
+#
+# All-gather then circulates the finished chunks n-1 more steps, overwriting instead of adding.
+# Each rank sends n-1 chunks per phase, so all-reduce sends 2(n-1)/n of the buffer per rank,
+# independent of n: the bandwidth-optimal volume.
+#
+# ``shift`` chooses which chunk each rank ends with: rank r ends with chunk (r + 1 + shift) % n.
+# All-reduce uses shift=0; standalone reduce-scatter / all-gather use shift=-1 so rank r owns
+# chunk r (the natural layout for sharding).
+
+
+def _ring_reduce_scatter(c: Call, flat, bounds, op: str, shift: int):
+    """Ring reduce-scatter of ``flat``, in place, in n-1 steps (assignment task 1.1).
+
+    ``bounds[i]`` is the (start, stop) of chunk i in ``flat``. Each step is one
+    ``yield c.exchange(what, sends=[(chunk, right)], recvs=[(tmp, left)])``: a step's send and
+    receive are posted together, so no rank waits for another to receive first. After the last
+    step, chunk (r + 1 + shift) % n of rank r holds the reduction (``combine``) over all ranks.
+    """
+    # BEGIN SOLUTION 1.1 "Step s sends chunk (r-s+shift)%n right, receives chunk (r-s-1+shift)%n from the left, combines it in."
+    n, r = c.size, c.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    tmp = xp_of(flat).empty(max((b - a for a, b in bounds), default=0), dtype=flat.dtype)
+    for s in range(n - 1):
+        send_i, recv_i = (r - s + shift) % n, (r - s - 1 + shift) % n
+        (sa, sb), (ra, rb) = bounds[send_i], bounds[recv_i]
+        incoming = tmp[: rb - ra]
+        yield c.exchange(
+            f"ring reduce-scatter step {s + 1}/{n - 1} (chunk {send_i} to rank {right}, "
+            f"chunk {recv_i} from rank {left})",
+            sends=[(flat[sa:sb], right)],
+            recvs=[(incoming, left)],
+        )
+        combine(flat[ra:rb], incoming, op)
+    # END SOLUTION
+
+
+def _ring_all_gather(c: Call, flat, bounds, shift: int, label: str = "ring all-gather"):
+    """Ring all-gather in place, in n-1 steps (assignment task 1.2).
+
+    On entry rank r's chunk (r + 1 + shift) % n of ``flat`` is final; on exit every chunk is. Like
+    reduce-scatter, but a received chunk overwrites (it is already finished) instead of adding.
+    """
+    # BEGIN SOLUTION 1.2 "Step s sends chunk (r+1+shift-s)%n right and receives chunk (r+shift-s)%n from the left into flat."
+    n, r = c.size, c.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):
+        send_i, recv_i = (r + 1 + shift - s) % n, (r + shift - s) % n
+        (sa, sb), (ra, rb) = bounds[send_i], bounds[recv_i]
+        yield c.exchange(
+            f"{label} step {s + 1}/{n - 1} (chunk {send_i} to rank {right}, chunk {recv_i} from rank {left})",
+            sends=[(flat[sa:sb], right)],
+            recvs=[(flat[ra:rb], left)],
+        )
+    # END SOLUTION
+
+
+def _all_reduce_ring(c: Call, flat, op: str):
+    """Ring all-reduce = reduce-scatter + all-gather (assignment task 1.3).
+
+    Volume sent by rank r with chunk lengths len_i (split_counts):
+    2*N - len_{(r+1)%n} - len_{(r+2)%n} elements, i.e. 2(n-1)/n * N when n divides N."""
+    # BEGIN SOLUTION 1.3 "Chunks: chunk_bounds(split_counts(flat.size, n)); reduce-scatter, then all-gather, shift=0."
+    bounds = chunk_bounds(split_counts(flat.size, c.size))
+    yield from _ring_reduce_scatter(c, flat, bounds, op, shift=0)
+    yield from _ring_all_gather(c, flat, bounds, shift=0)
+    # END SOLUTION
+
+
+# =================================================================================================
+# All-to-all by pairwise exchange
+# =================================================================================================
+#
+# n=4: in step s rank r sends its piece for rank r+s and receives the piece
+# from rank r-s. Every pair talks exactly once in each direction, and no rank ever has more than
+# one message in and one out:
+#
+#   step 1: 0->1 1->2 2->3 3->0     step 2: 0->2 1->3 2->0 3->1     step 3: 0->3 1->0 2->1 3->2
+
+
+def _all_to_all_pairwise(c: Call, flat, send_bounds, out, recv_bounds):
+    """All-to-all by pairwise exchange in n-1 steps (assignment task 1.4).
+
+    ``flat[send_bounds[p]]`` goes to rank p; what rank p sends lands in ``out[recv_bounds[p]]``.
+    """
+    # BEGIN SOLUTION 1.4 "Copy your own piece; step s=1..n-1 sends to rank (r+s)%n and receives from (r-s)%n in one exchange."
+    n, r = c.size, c.rank
+    (sa, sb), (ra, rb) = send_bounds[r], recv_bounds[r]
+    out[ra:rb] = flat[sa:sb]  # my piece for myself never leaves
+    for s in range(1, n):
+        dst, src = (r + s) % n, (r - s) % n
+        (sa, sb), (ra, rb) = send_bounds[dst], recv_bounds[src]
+        yield c.exchange(
+            f"pairwise step {s}/{n - 1} (to rank {dst}, from rank {src})",
+            sends=[(flat[sa:sb], dst)],
+            recvs=[(out[ra:rb], src)],
+        )
+    # END SOLUTION
+
+
+# =================================================================================================
+# Binomial-tree broadcast
+# =================================================================================================
+#
+# Number ranks relative to the root (v = (r - root) mod n). Broadcast, n=8: in round k every rank
+# that already has the data sends it 2^k further:
+#
+#   round 0: 0->1        round 1: 0->2, 1->3        round 2: 0->4, 1->5, 2->6, 3->7
+#
+# log2(n) rounds instead of the root sending n-1 times. (rooted.py's reduce runs the same tree
+# backwards.) Works for any n (children past n simply do not exist).
+
+
+def _broadcast_tree(c: Call, flat, root: int):
+    """Binomial-tree broadcast of ``flat`` from ``root``, in place (assignment task 1.5).
+
+    Work with ranks relative to the root, v = (rank - root) % n: every rank but the root first
+    receives from its parent, then sends to its children (``tree_children``) in one step.
+    """
+    # BEGIN SOLUTION 1.5 "If v != 0, receive from parent v - (v & -v); then send to each child in tree_children(v, n)."
+    n = c.size
+    v = (c.rank - root) % n
+    absolute = lambda u: (u + root) % n
+    if v:
+        parent = v - (v & -v)  # clear the lowest set bit
+        yield c.exchange(f"tree broadcast: receive from rank {absolute(parent)}", recvs=[(flat, absolute(parent))])
+    kids = tree_children(v, n)
+    if kids:
+        # All children at once (largest subtree first): they all get the same buffer.
+        yield c.exchange(
+            f"tree broadcast: send to ranks {[absolute(k) for k in reversed(kids)]}",
+            sends=[(flat, absolute(k)) for k in reversed(kids)],
+        )
+    # END SOLUTION
+
+
+# =================================================================================================
+# The public functions, running the algorithms of this module
+# =================================================================================================
+#
+# collectives.Collectives checks the arguments, picks an algorithm, tags the messages, counts the
+# bytes and drives the steps; these names make it call the algorithms defined above.
+
+_public = Collectives(__name__)
+all_reduce = _public.all_reduce
+reduce_scatter = _public.reduce_scatter
+all_gather = _public.all_gather
+all_to_all = _public.all_to_all
+broadcast = _public.broadcast
+reduce = _public.reduce
+gather = _public.gather
+scatter = _public.scatter
+barrier = _public.barrier

@@ -1,0 +1,41 @@
+"""Cutting a flat buffer into chunks, and combining chunks: what every algorithm uses besides ``c.exchange``."""
+
+from __future__ import annotations
+
+import numpy
+
+from tinytrain import backend
+
+OPS = ("sum", "avg", "max", "min", "prod")
+_UFUNC = {"sum": "add", "avg": "add", "max": "maximum", "min": "minimum", "prod": "multiply"}
+
+
+def xp_of(arr):
+    """The array module of ``arr`` (NumPy, or CuPy for device arrays)."""
+    return numpy if isinstance(arr, numpy.ndarray) else backend.xp
+
+
+def combine(acc, incoming, op: str) -> None:
+    """acc <- acc (op) incoming, elementwise, in place (``"avg"`` adds; the caller divides at the end)."""
+    getattr(xp_of(acc), _UFUNC[op])(acc, incoming, out=acc)
+
+
+def chunk_bounds(counts: list[int]) -> list[tuple[int, int]]:
+    """(start, stop) of consecutive pieces with the given lengths."""
+    out, start = [], 0
+    for n in counts:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def split_counts(length: int, parts: int) -> list[int]:
+    """Split ``length`` into ``parts`` nearly equal counts, larger ones first.
+
+    This is how every ring algorithm here chunks a buffer whose length is not divisible by the
+    number of ranks: the first ``length % parts`` chunks get one extra element (like
+    ``numpy.array_split``). Textbook volumes hold exactly when the length divides evenly; otherwise
+    a rank's volume depends on which chunks it happens to send (see the per-algorithm notes).
+    """
+    q, r = divmod(length, parts)
+    return [q + 1 if i < r else q for i in range(parts)]

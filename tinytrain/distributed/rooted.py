@@ -1,0 +1,152 @@
+"""Algorithms around one root rank: the naive (parameter-server) shapes, binomial-tree reduce,
+linear gather and scatter, and the stand-ins a student release falls back to.
+
+The naive shapes are here to be measured against (``algo="naive"``): one rank's link carries
+everything while the others idle, the bottleneck the ring and the trees remove.
+"""
+
+from __future__ import annotations
+
+from .chunks import combine, xp_of
+from .work import Call
+
+# =================================================================================================
+# Naive all-reduce, broadcast and reduce: the parameter-server shape
+# =================================================================================================
+#
+#        rank 0  <- every other rank sends its whole buffer (n-1 buffers arrive at one rank)
+#        rank 0  -> sends the sum back to every rank
+#
+# Rank 0's link carries 2(n-1) buffers while the others idle: the bottleneck the ring removes.
+
+
+def all_reduce_naive(c: Call, flat, op: str):
+    n, r = c.size, c.rank
+    if r == 0:
+        parts = [xp_of(flat).empty_like(flat) for _ in range(n - 1)]
+        yield c.exchange("naive: gather to rank 0", recvs=[(parts[i - 1], i) for i in range(1, n)])
+        for part in parts:  # in rank order, so the result does not depend on arrival order
+            combine(flat, part, op)
+        yield c.exchange("naive: broadcast from rank 0", sends=[(flat, i) for i in range(1, n)])
+    else:
+        yield c.exchange("naive: send to rank 0", sends=[(flat, 0)])
+        yield c.exchange("naive: result from rank 0", recvs=[(flat, 0)])
+
+
+def broadcast_naive(c: Call, flat, root: int):
+    if c.rank == root:
+        yield c.exchange("naive broadcast: root sends to all", sends=[(flat, p) for p in range(c.size) if p != root])
+    else:
+        yield c.exchange(f"naive broadcast: receive from rank {root}", recvs=[(flat, root)])
+
+
+def reduce_naive(c: Call, flat, root: int, op: str):
+    if c.rank == root:
+        others = [p for p in range(c.size) if p != root]
+        parts = [xp_of(flat).empty_like(flat) for _ in others]
+        yield c.exchange("naive reduce: receive from all", recvs=list(zip(parts, others)))
+        for part in parts:
+            combine(flat, part, op)
+    else:
+        yield c.exchange(f"naive reduce: send to rank {root}", sends=[(flat, root)])
+
+
+# =================================================================================================
+# Binomial-tree reduce
+# =================================================================================================
+#
+# The binomial tree of ``algorithms._broadcast_tree`` (ranks numbered relative to the root,
+# v = (r - root) mod n), run backwards: every rank combines what its children send, then sends
+# the sum to its parent. log2(n) rounds instead of the root receiving n-1 times.
+
+
+def tree_children(v: int, n: int) -> list[int]:
+    """Relative ranks that relative rank v sends to in a binomial broadcast."""
+    low = v & -v if v else 1 << n.bit_length()  # the root may send at every distance
+    kids, mask = [], 1
+    while mask < low and v + mask < n:
+        kids.append(v + mask)
+        mask <<= 1
+    return kids
+
+
+def reduce_tree(c: Call, flat, root: int, op: str):
+    """Binomial-tree reduce; the result lands in ``flat`` on the root (others' buffers untouched)."""
+    n = c.size
+    v = (c.rank - root) % n
+    absolute = lambda u: (u + root) % n
+    acc = flat if v == 0 else flat.copy()
+    tmp = xp_of(flat).empty_like(flat)
+    for kid in tree_children(v, n):  # smallest subtree first: it finishes first
+        yield c.exchange(f"tree reduce: receive from rank {absolute(kid)}", recvs=[(tmp, absolute(kid))])
+        combine(acc, tmp, op)
+    if v:
+        parent = v - (v & -v)
+        yield c.exchange(f"tree reduce: send to rank {absolute(parent)}", sends=[(acc, absolute(parent))])
+
+
+# =================================================================================================
+# Gather, scatter (linear: the root talks to everyone)
+# =================================================================================================
+
+
+def gather_linear(c: Call, flat, out, root: int, bounds):
+    if c.rank == root:
+        a, b = bounds[root]
+        out[a:b] = flat
+        others = [p for p in range(c.size) if p != root]
+        yield c.exchange("gather: receive from all", recvs=[(out[bounds[p][0] : bounds[p][1]], p) for p in others])
+    else:
+        yield c.exchange(f"gather: send to rank {root}", sends=[(flat, root)])
+
+
+def scatter_linear(c: Call, flat, full, root: int, bounds):
+    if c.rank == root:
+        a, b = bounds[root]
+        flat[...] = full[a:b]
+        others = [p for p in range(c.size) if p != root]
+        yield c.exchange("scatter: send to all", sends=[(full[bounds[p][0] : bounds[p][1]], p) for p in others])
+    else:
+        yield c.exchange(f"scatter: receive from rank {root}", recvs=[(flat, root)])
+
+
+# =================================================================================================
+# Stand-ins, for a student release
+# =================================================================================================
+#
+# `python -m grader release` gives students a copy of tinytrain in which the solution regions of
+# algorithms.py (assignment 1) are cut out: each raises a NotImplementedError with a TODO. The rest
+# of the framework still needs its collectives (data parallel all-reduces, MoE all-to-alls), and a
+# student may do a later assignment first. So where an algorithm is cut out, the framework's
+# public functions (collectives.py) use one of these instead: correct, just not bandwidth-optimal.
+# In the full repository nothing is cut out and the stand-ins never run.
+#
+# Only the framework falls back. The assignment file (assignments/a1_collectives.py) must raise
+# its TODOs, so that the grader reports them instead of grading a stand-in.
+
+
+def reduce_scatter_standin(c: Call, flat, bounds, op: str):
+    """Reduce onto rank 0 (binomial tree), then scatter: rank r's chunk r ends up reduced."""
+    yield from reduce_tree(c, flat, 0, op)
+    a, b = bounds[c.rank]
+    yield from scatter_linear(c, flat[a:b], flat if c.rank == 0 else None, 0, bounds)
+
+
+def all_gather_standin(c: Call, flat, bounds):
+    """Gather every piece on rank 0, then send the whole buffer to everyone."""
+    a, b = bounds[c.rank]
+    yield from gather_linear(c, flat[a:b], flat if c.rank == 0 else None, 0, bounds)
+    yield from broadcast_naive(c, flat, 0)
+
+
+def all_to_all_standin(c: Call, flat, send_bounds, out, recv_bounds):
+    """Every message of the all-to-all posted in one step (same volume as pairwise, more at once)."""
+    n, r = c.size, c.rank
+    (sa, sb), (ra, rb) = send_bounds[r], recv_bounds[r]
+    out[ra:rb] = flat[sa:sb]
+    others = [p for p in range(n) if p != r]
+    yield c.exchange(
+        "all-to-all stand-in: all messages at once",
+        sends=[(flat[send_bounds[p][0] : send_bounds[p][1]], p) for p in others],
+        recvs=[(out[recv_bounds[p][0] : recv_bounds[p][1]], p) for p in others],
+    )

@@ -1,0 +1,245 @@
+"""The machinery every collective shares: a *call* that posts steps, a :class:`Work` handle that drives them.
+
+How a collective is written (see ``algorithms.py``): a generator that ``yield``s one
+:class:`~p2p.Exchange` per step and ``return``s the result. The generator never waits; whoever
+drives it does:
+
+* :func:`run` starts it (behind the debug-mode signature check) and, unless ``async_op``, waits;
+* ``Work.test()`` / ``Work.wait()`` advance it whenever the step in flight has completed;
+* :func:`progress_all` (call it between chunks of compute) or a helper thread started by
+  :func:`start_progress_thread` advance every pending async handle. Without polling, only the
+  first step's messages move.
+
+Every call's messages carry a tag derived from the group's collective counter, so two collectives
+in flight on one group never confuse their messages. In debug mode (``TINYTRAIN_DEBUG=1``) every
+rank first tells every other what it is calling, and a mismatch raises
+:class:`~watchdog.CollectiveMismatch` in words.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy
+
+from tinytrain import trace
+
+from . import group, watchdog
+from .p2p import Exchange
+
+_TAG_BASE, _TAG_SPAN = 1024, 30000  # collective tags: 1024 + seq % 30000
+_SIG_TAG, _SIG_BYTES = 32000, 512  # debug-mode signature exchange
+
+
+class Call:
+    """One collective call on one rank: group, name, tag, and the step now in flight."""
+
+    def __init__(self, group, op: str, algo: str):
+        self.group, self.op, self.algo = group, op, algo
+        self.rank, self.size = group.rank, group.size
+        self.seq = group.seq
+        group.seq += 1
+        self.tag = _TAG_BASE + self.seq % _TAG_SPAN
+        self.step = None  # the Exchange in flight
+        self.start = trace.now() if trace.enabled else 0.0
+        self.bytes_sent = self.bytes_recv = 0  # for the trace span of the whole call
+        self.peers: set[int] = set()
+
+    def exchange(self, what: str, sends=(), recvs=()) -> Exchange:
+        """Post one step: ``sends``/``recvs`` are ``(buffer, group_rank)`` pairs."""
+        ex = Exchange(self.group, self.op, what)
+        for buf, peer in recvs:  # receives first: a matching send then never waits for a buffer
+            ex.recv(buf, peer, self.tag)
+            self.bytes_recv += buf.nbytes
+            self.peers.add(peer)
+        for buf, peer in sends:
+            ex.send(buf, peer, self.tag)
+            self.bytes_sent += buf.nbytes
+            self.peers.add(peer)
+        self.step = ex
+        return ex
+
+    def describe(self) -> str:
+        where = f", {self.step.what}" if self.step is not None else ""
+        return f"{self.op}(algo={self.algo}) #{self.seq} on {self.group.describe()}{where}"
+
+    def pending(self):
+        return self.step.pending() if self.step is not None else []
+
+
+_lock = threading.RLock()  # one driver at a time (the caller or the progress thread)
+_pending: set[Work] = set()  # async handles not yet complete, advanced by progress_all()
+
+
+class Work:
+    """Drives a collective's generator; returned by ``async_op=True`` calls."""
+
+    def __init__(self, call: Call, gen):
+        __tracebackhide__ = True
+        self._call, self._gen = call, gen
+        self._done, self._result, self._error = False, None, None
+        with _lock:
+            self._advance()  # post the first step now, so all ranks post in call order
+
+    def _advance(self) -> bool:
+        """Run the generator as far as it goes without waiting. True when finished."""
+        __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
+        step = self._call.step
+        while step is None or step.test():
+            try:
+                step = self._gen.send(None)
+            except StopIteration as stop:
+                self._finish(stop.value)
+                return True
+        return False
+
+    def _finish(self, result) -> None:
+        self._done, self._result = True, result
+        self._call.step = None
+        _pending.discard(self)
+        if trace.enabled:
+            c = self._call
+            trace.record(
+                c.op, "comm", c.start, trace.now(), group=c.group.name, algo=c.algo, seq=c.seq,
+                peer=sorted(c.group.world_rank(p) for p in c.peers), bytes=c.bytes_sent,
+                bytes_recv=c.bytes_recv,
+            )
+
+    def test(self) -> bool:
+        """Advance the algorithm if its current step completed; True once it is finished."""
+        __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
+        if self._done or self._error:
+            return True
+        with _lock:
+            try:
+                return self._done or self._advance()
+            except BaseException as exc:  # noqa: BLE001 - kept for wait(); never lose an error in a thread
+                self._error = exc
+                _pending.discard(self)
+                return True
+
+    def is_completed(self) -> bool:
+        return self.test()
+
+    def wait(self, timeout: float | None = None):
+        """Drive the algorithm to the end (deadline: TINYTRAIN_TIMEOUT) and return its result."""
+        __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
+        c = self._call
+        try:
+            watchdog.wait_until(self.test, c.describe, c.pending, timeout)
+        except (watchdog.CommTimeout, watchdog.PeerFailure) as exc:
+            c.group.broken = f"{type(exc).__name__} in {c.op} #{c.seq}"
+            raise
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def run(call: Call, body, async_op: bool, signature: dict):
+    """Start ``body`` (a generator) behind the debug signature check; wait unless async."""
+    __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
+    gen = _checked(call, signature, body) if watchdog.debug() else body
+    work = Work(call, gen)
+    if async_op:
+        if not work._done:
+            _pending.add(work)
+        return work
+    return work.wait()
+
+
+# --- progress: polling pending async handles ------------------------------------------------------
+
+
+def progress_all() -> None:
+    """Advance every pending async collective by whatever steps have completed. Cheap; call often."""
+    for work in list(_pending):
+        work.test()
+
+
+def forget_pending() -> None:
+    """Drop all pending handles (done whenever the world is replaced, e.g. between tests)."""
+    _pending.clear()
+
+
+group.on_uninstall(forget_pending)
+
+
+class _ProgressThread(threading.Thread):
+    def __init__(self, interval: float):
+        super().__init__(name="tinytrain-progress", daemon=True)
+        self.interval, self.stop_event = interval, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            if _pending:
+                progress_all()
+            # NumPy releases the GIL in big kernels, so this thread runs while the caller computes.
+            self.stop_event.wait(self.interval if _pending else 10 * self.interval)
+
+
+_thread: _ProgressThread | None = None
+
+
+def start_progress_thread(interval: float = 1e-4) -> None:
+    """Poll pending async collectives from a background thread every ``interval`` seconds."""
+    global _thread
+    if _thread is None or not _thread.is_alive():
+        _thread = _ProgressThread(interval)
+        _thread.start()
+
+
+def stop_progress_thread() -> None:
+    global _thread
+    if _thread is not None:
+        _thread.stop_event.set()
+        _thread.join()
+        _thread = None
+
+
+# --- debug mode: every rank tells every other what it is calling ----------------------------------
+
+
+def _checked(c: Call, sig: dict, body):
+    """Exchange signatures with every rank of the group, compare, then run ``body``."""
+    __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
+    mine = dict(sig, op=c.op, seq=c.seq)
+    blob = json.dumps(mine).encode()[:_SIG_BYTES].ljust(_SIG_BYTES)
+    send = numpy.frombuffer(blob, dtype=numpy.uint8).copy()
+    theirs = {p: numpy.empty(_SIG_BYTES, dtype=numpy.uint8) for p in range(c.size) if p != c.rank}
+    # Counted under its own name, so byte accounting of the real operation stays textbook-exact.
+    ex = Exchange(c.group, "debug_check", f"debug signature check of {c.op}")
+    for p, buf in theirs.items():
+        ex.recv(buf, p, _SIG_TAG)
+        ex.send(send, p, _SIG_TAG)
+    c.step = ex
+    yield ex
+    sigs = {p: json.loads(buf.tobytes().decode().strip() or "{}") for p, buf in theirs.items()}
+    sigs[c.rank] = mine
+    _compare_signatures(c, sigs)
+    return (yield from body)
+
+
+def _fmt_sig(s: dict) -> str:
+    args = [f"shape={tuple(s['shape'])}", s["dtype"]]
+    args += [f"{k}={s[k]}" for k in ("reduce", "root", "algo", "sizes") if s.get(k) is not None]
+    return f"{s['op']}({', '.join(args)}) [collective #{s['seq']}]"
+
+
+def _compare_signatures(c: Call, sigs: dict[int, dict]) -> None:
+    """Raise CollectiveMismatch, in words, unless all ranks called the same thing."""
+    __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
+    ref = sigs[0]
+    keys = ["op", "seq", "dtype", "reduce", "root", "algo", "sizes", "tail"]
+    keys += ["shape"] if ref.get("same_shape") else []
+    for rank in sorted(sigs):
+        s = sigs[rank]
+        diff = [k for k in keys if s.get(k) != ref.get(k)]
+        if diff:
+            world = c.group.world_ranks
+            raise watchdog.CollectiveMismatch(
+                f"collective mismatch on {c.group.describe()}: rank {world[rank]} called "
+                f"{_fmt_sig(s)} while rank {world[0]} called {_fmt_sig(ref)} "
+                f"(they differ in {', '.join(diff)}). Every rank of a group must call the same "
+                "collectives in the same order with matching shapes and dtypes."
+            )
