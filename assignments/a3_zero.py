@@ -41,11 +41,15 @@ stages 1 and 2 send the same as reduce-scatter + all-gather; stage 3 gathers twi
 Stage 3 and our autograd: a layer's graph keeps references to the arrays it computed with,
 parameters included, until backward. Freeing W after forward would therefore free nothing, so a
 stage-3 layer runs its forward without a graph and, in backward, gathers W again and recomputes
-its forward with a graph (activation checkpointing).
+its forward with a graph (activation checkpointing). The recompute must draw the same dropout
+masks as the forward; until every mask is a pure function of (seed, step, module name), the one
+check in ``ZeroStage3.__init__`` refuses dropout.
 
-The pieces are public: ``zero.shards`` is a list of :class:`ShardedParam` in parameter order, whose
-``.state`` (optimizer state of my piece) and ``.data`` (stage 3: my piece of W) a checkpoint may
-read and write in place.
+Beyond a module: ZeRO-1/2 also take a plain list of parameters (a pipeline stage, whose forward and
+backward the pipeline runs), and ``grad_square_sums`` gives a composed layout (tensor x data
+parallel) the squares it needs to clip by one global norm. The pieces are public: ``zero.shards``
+(list of :class:`ShardedParam`, in parameter order), whose ``.state`` and ``.data`` a checkpoint
+reads and writes in place.
 """
 
 from __future__ import annotations
@@ -57,30 +61,9 @@ from tinytrain import distributed as dist
 from tinytrain.autograd import Tensor
 from tinytrain.backend import xp
 from tinytrain.parallel.data_parallel import Wrapper
-from tinytrain.parallel.zero_units import ShardedUnit, gpt_units
+from tinytrain.parallel.zero_parts import ShardedParam, ShardedUnit, gpt_units
 
 _EMPTY = xp.zeros(0, dtype=xp.float32)  # what a stage-3 parameter holds between uses
-
-
-class ShardedParam:
-    """One trainable parameter ``p`` and the piece ``[start, stop)`` of it (flattened) this rank owns.
-
-    ``sizes``: every rank's piece length. ``grad``: my piece of the averaged gradient (None between
-    steps). ``state``: the optimizer state of my piece (None before the first step). ``data``:
-    stage 3 only, my piece of the parameter (``p.data`` is then empty except while gathered)."""
-
-    def __init__(self, p, rank: int, n: int):
-        self.p, self.shape = p, p.shape
-        self.sizes = dist.split_counts(p.size, n)  # elements of piece 0, 1, ..., N-1
-        self.start = sum(self.sizes[:rank])
-        self.stop = self.start + self.sizes[rank]
-        self.grad = None
-        self.state = None
-        self.data = None
-        self.users = self.pending_users = 0  # stage 3: layers using p (tied: 2), not yet backpropagated
-
-    def my_piece(self, full):
-        return full.reshape(-1)[self.start:self.stop]
 
 
 # ================================================================================================
@@ -95,9 +78,14 @@ class ZeroStage1(Wrapper):
     as usual). ``module`` may also be a list of Parameters (a pipeline stage): then nothing wraps the
     forward; run backward yourself (gradients accumulate in ``p.grad``), then call
     ``finish_gradient_sync()``, optionally ``clip_grad_norm_``, and ``step()``.
+
+    ``shards``: list[ShardedParam], one per trainable parameter in parameter order: ``.p``, the piece
+    ``.start``/``.stop``/``.sizes``, ``.grad`` (my piece of the averaged gradient), ``.state`` (the
+    optimizer state of my piece; None before the first step), ``.data`` (stage 3: my piece of W).
     """
 
     stage = 1
+    peak_gathered_bytes = 0  # stages 1, 2 hold every parameter whole: nothing is gathered
 
     def __init__(self, module, optimizer, group=None):
         if isinstance(module, (list, tuple)):
@@ -113,8 +101,6 @@ class ZeroStage1(Wrapper):
         self.shards = [ShardedParam(p, self.rank, self.world_size) for _, p in self.named if p.requires_grad]
         self.shard_of = {id(s.p): s for s in self.shards}
         self.require_sync = True
-        self.pending = []  # (shard, async reduce_scatter) not yet waited for (stages 2, 3)
-        self.gathered_bytes = self.peak_gathered_bytes = 0
 
     def __call__(self, *args, **kwargs):
         if self.module is None:
@@ -234,6 +220,7 @@ class ZeroStage2(ZeroStage1):
 
     def __init__(self, module, optimizer, group=None):
         super().__init__(module, optimizer, group)
+        self.pending = []  # (shard, async reduce_scatter) not yet waited for
         for s in self.shards:
             s.p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -280,6 +267,7 @@ class ZeroStage3(ZeroStage2):
             s.pending_users = s.users
             s.data = s.my_piece(s.p.data).copy()  # keep my piece ...
             s.p.data = _EMPTY  # ... and free the full parameter
+        self.gathered_bytes = self.peak_gathered_bytes = 0
         self.anchor = Tensor(xp.zeros(0, dtype=xp.float32), requires_grad=True)
 
     def __call__(self, x):
@@ -328,11 +316,3 @@ def Zero(module, optimizer, stage: int = 1, group=None, units=None):
     if units is not None:
         return ZERO_STAGES[stage](module, optimizer, group=group, units=units)
     return ZERO_STAGES[stage](module, optimizer, group=group)
-
-
-def unsharded_memory(module, optimizer) -> dict:
-    """What a plain (serial or DDP) rank holds: the figure ZeRO is compared against."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    return {"params": sum(p.nbytes for p in params),
-            "grads": sum(p.grad.nbytes for p in params if p.grad is not None),
-            "optimizer": optimizer.state_bytes()}

@@ -11,7 +11,6 @@ replay with ``TINYTRAIN_GRADER_SEED=<seed>``.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -24,7 +23,7 @@ from tinytrain.nn import GPT, GPTConfig
 from tinytrain.optim import SGD, AdamW
 
 VOCAB, T, ROWS, STEPS = 16, 8, 12, 2
-TOL = {"sgd": dict(rtol=1e-5, atol=1e-6), "adamw": dict(rtol=1e-4, atol=2e-4)}
+TOL = {"sgd": {"rtol": 1e-5, "atol": 1e-6}, "adamw": {"rtol": 1e-4, "atol": 2e-4}}
 
 
 class Case:
@@ -154,6 +153,6 @@ def test_zero3(impl, opt_kind):
 @pytest.mark.parametrize("stage", [pytest.param(k, marks=pytest.mark.task(f"3.{k}")) for k in (1, 2, 3)])
 def test_uneven_pieces_on_3_ranks(impl, stage):
     case = Case("sgd")
-    zero, memory, sent = run(impl, case, stage)
+    zero, memory, _ = run(impl, case, stage)
     check_params(case, zero, stage)
     check_memory(case, zero, memory, stage)
