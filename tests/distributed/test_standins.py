@@ -9,7 +9,6 @@ import pytest
 
 from tinytrain import distributed as dist
 from tinytrain.distributed import algorithms, collectives
-from tinytrain.distributed._mpi import MPI
 
 CUT = ["_ring_reduce_scatter", "_ring_all_gather", "_all_reduce_ring", "_all_to_all_pairwise", "_broadcast_tree"]
 
