@@ -33,7 +33,7 @@ if os.environ.get("TINYTRAIN_MPI_DEFAULTS", "1") != "0":
 
 import mpi4py  # noqa: E402
 
-# Our collectives may be advanced by a helper thread (see collectives.start_progress_thread), so
+# Our collectives may be advanced by a helper thread (see work.start_progress_thread), so
 # ask for MPI_THREAD_MULTIPLE (mpi4py's default). All our own MPI calls happen under one lock, so
 # MPI_THREAD_SERIALIZED would do as well.
 mpi4py.rc.thread_level = "multiple"

@@ -13,7 +13,7 @@ that names what was being waited for:
    they poll, and raise :class:`PeerFailure` within milliseconds.
 3. Ranks call different collectives. In debug mode (``TINYTRAIN_DEBUG=1``, on in the test harness)
    each collective first exchanges a small signature; a mismatch raises
-   :class:`CollectiveMismatch` in words (see ``collectives.py``).
+   :class:`CollectiveMismatch` in words (see ``work.py``).
 
 Why we poll instead of calling ``MPI_Wait``: a blocking MPI wait cannot be interrupted by a
 deadline, and MPICH busy-polls inside it, which is ruinous when 4 ranks share 2 cores. So we call
