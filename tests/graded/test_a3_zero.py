@@ -89,7 +89,8 @@ def check_memory(case, zero, memory, stage):
     psi = sum(s.p.size if stage < 3 else int(np.prod(s.shape)) for s in zero.shards)
     mine = sum(s.stop - s.start for s in zero.shards)
     per = 8 if case.opt_kind == "adamw" else 4
-    want = {1: (4 * psi, 4 * psi, per * mine), 2: (4 * psi, 4 * mine, per * mine), 3: (4 * mine, 4 * mine, per * mine)}[stage]
+    want = {1: (4 * psi, 4 * psi, per * mine), 2: (4 * psi, 4 * mine, per * mine),
+            3: (4 * mine, 4 * mine, per * mine)}[stage]
     got = (memory["params"], memory["grads"], memory["optimizer"])
     assert got == want, case.what(f"ZeRO-{stage} holds (params, grads, optimizer) = {got} bytes, expected {want} "
                                   f"(Ψ={psi}, this rank's pieces Ψ_r={mine})")

@@ -208,14 +208,15 @@ def test_the_stages_build_on_each_other():
         assert [s.p for s in zero.shards] == trainable(zero.module), "zero.shards: one piece per parameter, in order"
 
 
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("n", [pytest.param(k, marks=pytest.mark.world_size(k)) for k in (2, 4)])
-def test_zero1_over_a_list_of_parameters_like_a_pipeline_stage(n):
-    """A pipeline stage is not a Module: ZeRO-1 gets its parameters as a list; the caller runs a plain
-    backward per micro-batch (gradients accumulate in p.grad), then finish_gradient_sync() and step()."""
+def test_zero_over_a_list_of_parameters_like_a_pipeline_stage(n, stage):
+    """A pipeline stage is not a Module: ZeRO-1 (or 2) gets its parameters as a list; the caller runs a
+    plain backward per micro-batch (gradients accumulate), then finish_gradient_sync() and step()."""
     rank, steps = dist.get_rank(), 3
     model = tiny_gpt()
     opt = make_optimizer("adamw", model)
-    zero = Zero(model.parameters(), opt, stage=1)
+    zero = Zero(model.parameters(), opt, stage=stage)
     assert zero.module is None and len(zero.shards) == len(model.parameters())
 
     def finish_and_step():
@@ -225,7 +226,8 @@ def test_zero1_over_a_list_of_parameters_like_a_pipeline_stage(n):
 
     train(model, lambda loss: loss.backward(), finish_and_step, opt, steps, ROWS, rank, n, accum=2)
     got = {name: p.data for name, p in model.named_parameters()}
-    assert_params_close(got, serial_params("adamw", steps, ROWS), **TOL["adamw"], what="ZeRO-1 over a parameter list")
+    assert_params_close(got, serial_params("adamw", steps, ROWS), **TOL["adamw"],
+                        what=f"ZeRO-{stage} over a parameter list")
     assert_same_on_all_ranks(got)
     assert all(s.state is not None and s.state["step"] == steps for s in zero.shards)
     assert sorted(zero.full_parameters(), key=int) == [str(i) for i in range(len(zero.shards))]

@@ -57,7 +57,12 @@ from tinytrain import distributed as dist
 from tinytrain.autograd import Tensor
 from tinytrain.backend import xp
 from tinytrain.parallel.data_parallel import Wrapper
-from tinytrain.parallel.zero_parts import ShardedParam, ShardedUnit, gpt_units
+from tinytrain.parallel.zero_parts import (
+    ShardedParam,
+    ShardedUnit,
+    gpt_units,
+    held_bytes,
+)
 
 _EMPTY = xp.zeros(0, dtype=xp.float32)  # what a stage-3 parameter holds between uses
 
@@ -189,21 +194,13 @@ class ZeroStage1(Wrapper):
     # --- what this rank holds -----------------------------------------------------------------------
 
     def memory(self) -> dict:
-        """Bytes this rank holds now, measured: per parameter the full W and g where it has them, else
-        its pieces (stage 1's piece of g is a view into p.grad), and the optimizer state of its pieces;
-        apart, the peak of temporarily gathered parameters (stage 3) and frozen parameters."""
-        held = lambda full, piece: full.nbytes if full is not None and full.size else getattr(piece, "nbytes", 0)
-        return {"params": sum(held(s.p.data, s.data) for s in self.shards),
-                "grads": sum(held(s.p.grad, s.grad) for s in self.shards),
-                "optimizer": self._state_bytes(), "gathered_peak": self.peak_gathered_bytes,
-                "frozen": sum(p.nbytes for _, p in self.named if not p.requires_grad)}
-
-    def _state_bytes(self) -> int:
-        return sum(a.nbytes for s in self.shards if s.state for a in s.state.values() if hasattr(a, "nbytes"))
+        """Bytes this rank holds now, measured from its arrays (:func:`held_bytes`): params, grads,
+        optimizer; apart, the peak of temporarily gathered parameters (stage 3) and frozen ones."""
+        return held_bytes(self.shards, [p for _, p in self.named], self.peak_gathered_bytes)
 
     def optimizer_bytes_per_element(self) -> int:
         """State bytes per parameter element (AdamW 8, SGD with momentum 4), measured."""
-        return round(self._state_bytes() / max(1, sum(s.stop - s.start for s in self.shards)))
+        return round(held_bytes(self.shards)["optimizer"] / max(1, sum(s.stop - s.start for s in self.shards)))
 
     def materialize(self) -> None:
         """Put every full parameter into the model (stages 1, 2 always hold them)."""

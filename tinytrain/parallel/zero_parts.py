@@ -1,5 +1,5 @@
-"""The parts ZeRO (``zero.py``) is built from: a parameter's pieces, stage 3's units, and the
-unsharded memory figure ZeRO is compared against.
+"""The parts ZeRO (``zero.py``) is built from: a parameter's pieces, stage 3's units, and memory
+accounting (what a ZeRO rank holds, and the unsharded figure it is compared against).
 
 :class:`ShardedParam` is one trainable parameter and the piece of it this rank owns; ``zero.shards``
 lists them in parameter order. A unit is (name, callable, parameters): stage 3 gathers the unit's
@@ -75,3 +75,17 @@ def unsharded_memory(module, optimizer) -> dict:
     return {"params": sum(p.nbytes for p in params),
             "grads": sum(p.grad.nbytes for p in params if p.grad is not None),
             "optimizer": optimizer.state_bytes()}
+
+
+def held_bytes(shards, params=(), gathered_peak: int = 0) -> dict:
+    """What a ZeRO rank holds now, measured from its arrays, with no formula per stage: per parameter
+    the full W and g where the rank has them, else its pieces (stage 1's piece of g is a view into
+    p.grad, so it adds nothing); the optimizer state of its pieces; frozen ``params`` apart."""
+    def held(full, piece):
+        return full.nbytes if full is not None and full.size else getattr(piece, "nbytes", 0)
+
+    return {"params": sum(held(s.p.data, s.data) for s in shards),
+            "grads": sum(held(s.p.grad, s.grad) for s in shards),
+            "optimizer": sum(a.nbytes for s in shards if s.state for a in s.state.values() if hasattr(a, "nbytes")),
+            "gathered_peak": gathered_peak,
+            "frozen": sum(p.nbytes for p in params if not p.requires_grad)}
