@@ -1,38 +1,85 @@
-"""Checkpoints: one ``.npz`` file with the model, the optimizer state and a JSON header.
+"""Checkpoints that do not depend on the layout that wrote them.
 
-Written atomically: the data goes to a temporary file in the same folder, is flushed to disk, and
-only then renamed over the old checkpoint (``os.replace`` is atomic on POSIX). A crash mid-write
-leaves the previous checkpoint intact, never a half-written one. No pickle: arrays and JSON only.
+A checkpoint is a folder::
+
+    ckpt/
+      manifest.json            written last, atomically: the checkpoint exists once this names it
+      step-000200/
+        rank-00000.npz         the pieces rank 0 wrote (and rank-00000.json, their index)
+        rank-00001.npz         ...
+
+Every *logical tensor* is named as in the serial model: parameter ``blocks.0.attn.q.weight``, and
+its optimizer state ``blocks.0.attn.q.weight`` field ``exp_avg``. A rank writes only the pieces it
+holds (and only one rank writes a piece that several hold); a ``Piece`` says where its array sits
+in the logical tensor: the slice ``[start, stop)`` along ``axis`` (tensor parallel), then, of that
+slice flattened, elements ``[flat_start, flat_stop)`` (ZeRO). Nothing about ranks or meshes is
+needed to read it back: ``Reader.read(name, field)`` assembles the whole logical tensor from
+whichever pieces cover it, and the new layout cuts out what each of its ranks holds.
+
+Saving: every rank writes its files into a fresh ``step-N/`` folder (temporary name, flush,
+fsync, rename); after a barrier, rank 0 checks that every rank's index is there and replaces
+``manifest.json`` atomically. A crash at any moment before that leaves the previous manifest, which
+still names the previous complete folder. Then older folders are removed. No pickle: arrays and JSON.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy
 
+from tinytrain.backend import to_host, xp
 
-def save(path, model_state: dict, optim_state: dict, meta: dict) -> None:
-    arrays = {f"model/{k}": v for k, v in model_state.items()}
-    scalars = {}
-    for i, s in optim_state["state"].items():
-        for k, v in s.items():
-            if hasattr(v, "shape"):
-                arrays[f"optim/{i}/{k}"] = v
-            else:
-                scalars[f"{i}/{k}"] = v
-    header = dict(meta, optim_lr=optim_state["lr"], optim_scalars=scalars)
-    arrays["__meta__"] = numpy.frombuffer(json.dumps(header).encode(), dtype=numpy.uint8)
+MANIFEST = "manifest.json"
+FORMAT = "tinytrain-checkpoint-1"
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank's parameter comes from: the serial ``name``, and (tensor parallel) the slice
+    ``[start, stop)`` along ``axis`` that this rank holds (``axis`` None: the whole tensor)."""
+
+    name: str
+    axis: int | None = None
+    start: int | None = None
+    stop: int | None = None
+
+    def cut(self, full):
+        """This rank's part of the serial tensor ``full``."""
+        if self.axis is None:
+            return full
+        index = [slice(None)] * full.ndim
+        index[self.axis] = slice(self.start, self.stop)
+        return full[tuple(index)]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of logical tensor ``name`` (field ``param`` or an optimizer state field)."""
+
+    name: str
+    field: str
+    axis: int | None = None
+    start: int | None = None
+    stop: int | None = None
+    flat_start: int | None = None
+    flat_stop: int | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.field}/{self.axis}/{self.start}/{self.flat_start}"
+
+
+def _atomic_write(path: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            numpy.savez(f, **arrays)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -42,20 +89,157 @@ def save(path, model_state: dict, optim_state: dict, meta: dict) -> None:
         raise
 
 
-def load(path):
-    """Return ``(model_state, optim_state, meta)`` as saved by :func:`save`."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path} (train with --out to create one)")
-    with numpy.load(path) as f:
-        meta = json.loads(bytes(f["__meta__"]).decode())
-        model_state = {k[len("model/"):]: f[k] for k in f.files if k.startswith("model/")}
-        state: dict = {}
-        for k in f.files:
-            if k.startswith("optim/"):
-                _, i, name = k.split("/", 2)
-                state.setdefault(int(i), {})[name] = f[k]
-    for key, v in meta.pop("optim_scalars").items():
-        i, name = key.split("/", 1)
-        state.setdefault(int(i), {})[name] = v
-    return model_state, {"lr": meta.pop("optim_lr"), "state": state}, meta
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_folder(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def write_pieces(folder, step: int, rank: int, pieces: list[tuple[Piece, object]], scalars: dict) -> None:
+    """One rank's part of a save: its ``(Piece, host array)`` pairs into ``folder/step-N/``, and
+    ``scalars`` (name -> {field: number}: AdamW's step count) into its index."""
+    target = Path(folder) / step_folder(step)
+    target.mkdir(parents=True, exist_ok=True)
+    arrays = {f"a{i}": numpy.asarray(a) for i, (_, a) in enumerate(pieces)}
+    index = {"pieces": [dict(asdict(p), array=f"a{i}") for i, (p, _) in enumerate(pieces)], "scalars": scalars}
+    _atomic_write(target / f"rank-{rank:05d}.npz", lambda f: numpy.savez(f, **arrays))
+    _atomic_write(target / f"rank-{rank:05d}.json", lambda f: f.write(json.dumps(index).encode()))
+
+
+def commit(folder, step: int, world_size: int, tensors: dict, meta: dict) -> None:
+    """Rank 0, after every rank's ``write_pieces``: name the new folder in the manifest.
+
+    ``tensors``: logical name -> shape; ``meta``: step, seed, optimizer scalars, metrics..."""
+    folder = Path(folder)
+    name = step_folder(step)
+    missing = [r for r in range(world_size) if not (folder / name / f"rank-{r:05d}.json").is_file()]
+    if missing:
+        raise RuntimeError(f"checkpoint step {step}: ranks {missing} wrote no pieces; the previous checkpoint stays")
+    manifest = {"format": FORMAT, "folder": name, "world_size": world_size,
+                "tensors": {k: list(v) for k, v in tensors.items()}, **meta}
+    _fsync_dir(folder / name)
+    _atomic_write(folder / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    _fsync_dir(folder)
+    for old in folder.glob("step-*"):
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class Reader:
+    """Reads logical tensors back from a checkpoint folder, whatever layout wrote it."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        path = self.folder / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(f"no checkpoint at {self.folder} (no {MANIFEST}): train with --out to create one")
+        self.manifest = json.loads(path.read_text())
+        if self.manifest.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a {FORMAT} manifest")
+        self.meta = self.manifest
+        data = self.folder / self.manifest["folder"]
+        self.pieces: dict[tuple[str, str], list] = {}
+        self.scalars: dict[str, dict] = {}
+        for r in range(self.manifest["world_size"]):
+            arrays = numpy.load(data / f"rank-{r:05d}.npz")
+            index = json.loads((data / f"rank-{r:05d}.json").read_text())
+            for name, fields in index["scalars"].items():
+                self.scalars.setdefault(name, {}).update(fields)
+            for entry in index["pieces"]:
+                array_key = entry.pop("array")
+                piece = Piece(**entry)
+                self.pieces.setdefault((piece.name, piece.field), []).append((piece, arrays, array_key))
+
+    def names(self) -> list[str]:
+        return list(self.manifest["tensors"])
+
+    def fields(self, name: str) -> list[str]:
+        return sorted({f for n, f in self.pieces if n == name})
+
+    def read(self, name: str, field: str = "param") -> numpy.ndarray:
+        """The whole logical tensor, assembled from its pieces; an error names what is missing."""
+        if name not in self.manifest["tensors"]:
+            raise KeyError(f"checkpoint {self.folder} has no tensor {name!r} (it has {len(self.names())})")
+        shape = tuple(self.manifest["tensors"][name])
+        full, covered = None, numpy.zeros(shape, dtype=bool)
+        # A slice along an axis, flattened, is filled piece by piece, then put in place.
+        slices: dict = {}
+        for piece, arrays, key in self.pieces.get((name, field), []):
+            array = arrays[key]
+            if full is None:
+                full = numpy.zeros(shape, dtype=array.dtype)
+            index = [slice(None)] * len(shape)
+            if piece.axis is not None:
+                index[piece.axis] = slice(piece.start, piece.stop)
+            index = tuple(index)
+            if piece.flat_start is None:
+                full[index], covered[index] = array.reshape(full[index].shape), True
+            else:
+                flat, done = slices.setdefault(index, (numpy.zeros(full[index].size, array.dtype),
+                                                       numpy.zeros(full[index].size, bool)))
+                flat[piece.flat_start:piece.flat_stop], done[piece.flat_start:piece.flat_stop] = array.reshape(-1), True
+        for index, (flat, done) in slices.items():
+            full[index] = flat.reshape(full[index].shape)
+            covered[index] = done.reshape(covered[index].shape)
+        if full is None or not covered.all():
+            raise ValueError(f"checkpoint {self.folder}: the pieces of {name!r} ({field}) do not cover it; "
+                             "a rank's file is missing or damaged")
+        return full
+
+
+# --- from a rank's parameters and optimizer state to pieces, and back --------------------------------
+
+
+def collect(named, optimizer, zero_shards=None, writes=None):
+    """``(pieces, scalars)`` of this rank: ``named`` lists ``(Placement, Parameter)``; with ZeRO,
+    ``zero_shards`` (``Zero.shards``) hold the pieces and optimizer state this rank owns; ``writes``
+    (placement, parameter) -> bool picks the one rank that writes a piece held by several."""
+    shard_of = {id(s.p): s for s in zero_shards or []}
+    pieces, scalars = [], {}
+    for placement, p in named:
+        if writes is not None and not writes(placement, p):
+            continue
+        where = dict(name=placement.name, axis=placement.axis, start=placement.start, stop=placement.stop)
+        s = shard_of.get(id(p))
+        if s is not None:
+            where.update(flat_start=s.start, flat_stop=s.stop)
+            value = s.data if s.data is not None else s.my_piece(p.data)
+            state = s.state or {}
+        else:
+            value, state = p.data, optimizer.state.get(p, {})
+        pieces.append((Piece(field="param", **where), to_host(value).copy()))
+        for field, v in state.items():
+            if hasattr(v, "shape"):
+                pieces.append((Piece(field=field, **where), to_host(v).copy()))
+            else:
+                scalars.setdefault(placement.name, {})[field] = v
+    return pieces, scalars
+
+
+def restore(reader: Reader, named, optimizer, zero_shards=None) -> None:
+    """Load every local parameter (and its optimizer state) from ``reader``, cut for this layout."""
+    shard_of = {id(s.p): s for s in zero_shards or []}
+    scalars = reader.scalars
+    for placement, p in named:
+        s = shard_of.get(id(p))
+
+        def mine(field, placement=placement, s=s):
+            local = placement.cut(reader.read(placement.name, field))
+            return xp.asarray(local.reshape(-1)[s.start:s.stop].copy() if s is not None else local)
+
+        if s is not None and s.data is not None:  # ZeRO-3: the parameter lives as my piece
+            s.data = mine("param")
+        else:  # ZeRO-1/2 too: every rank holds the whole (TP-local) parameter
+            p.data[...] = xp.asarray(placement.cut(reader.read(placement.name, "param"))).reshape(p.shape)
+        state = {f: mine(f) for f in reader.fields(placement.name) if f != "param"}
+        state.update(scalars.get(placement.name, {}))
+        if s is not None:
+            s.state = state or None
+        elif state:
+            optimizer.state[p] = state

@@ -12,7 +12,7 @@ import sys
 
 # name -> module with ``add_arguments(parser)`` and ``run(args)``
 _COMMANDS = {
-    "train": ("tinytrain.train", "train a GPT (serial, or under mpirun with --dp/--tp/--pp)"),
+    "train": ("tinytrain.trainer", "train a GPT (serial, or under mpirun with --dp/--tp/--pp)"),
     "sample": ("tinytrain.sample", "print text generated from a checkpoint"),
     "bench": ("tinytrain.bench", "benchmarks: `tinytrain bench step`, `tinytrain bench collectives`"),
 }

@@ -40,20 +40,25 @@ def generate(model: GPT, ids, new_tokens: int, temperature: float = 0.0, rng=Non
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", default="runs/latest/ckpt.npz", help="checkpoint written by `tinytrain train`")
+    p.add_argument("--ckpt", default="runs/latest/ckpt", help="checkpoint folder written by `tinytrain train` (any layout)")
     p.add_argument("--prompt", default=None, help="text to continue (default: a validation problem or a newline)")
     p.add_argument("--tokens", type=int, default=None, help="how many tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0)
 
 
+def checkpoint_model(folder):
+    """The serial GPT of a checkpoint folder (whatever layout wrote it), and the checkpoint's meta."""
+    reader = checkpoint.Reader(folder)
+    model = GPT(GPTConfig(**reader.meta["model_config"]))
+    model.load_state_dict({name: reader.read(name) for name, _ in model.named_parameters()})
+    return model, reader.meta
+
+
 def run(args) -> int:
     from tinytrain.data import load_dataset
 
-    model_state, _, meta = checkpoint.load(args.ckpt)
-    config = GPTConfig(**meta["model_config"])
-    model = GPT(config)
-    model.load_state_dict(model_state)
+    model, meta = checkpoint_model(args.ckpt)
     saved = meta["args"]
     dataset = load_dataset(saved.get("data"), saved.get("block_size"), saved.get("digits", 2))
     if args.prompt is None:

@@ -121,6 +121,9 @@ class Block(Module):
         return x + self.mlp(self.ln_2(x))
 
 
+MOE_AUX_WEIGHT = 0.01  # weight of the MoE load-balancing loss in GPT.loss
+
+
 class GPT(Module):
     """A GPT built from ``config``; ``seed`` fixes every initial weight."""
 
@@ -135,6 +138,9 @@ class GPT(Module):
         self.ln_f = LayerNorm(config.n_embd, bias=config.bias)
         # Tied: the output head reuses the token embedding (transposed), as GPT-2 does.
         self.head = None if config.tie_weights else Linear(config.n_embd, config.vocab_size, False, rng=rng)
+        for name, module in self.named_modules():
+            if isinstance(module, Dropout):
+                module.site = name  # its masks are keyed by its name: the same under every layout
 
     def embed(self, ids):
         """Token plus position embeddings of ``ids`` (B, T) -> (B, T, n_embd)."""
@@ -155,10 +161,47 @@ class GPT(Module):
         return self.head(x)
 
     def forward(self, ids):
+        return self.logits(self.hidden(ids))
+
+    # --- what the training loop and the parallel layouts call -----------------------------------
+
+    def loss(self, ids, targets, denominator=None):
+        """Training loss: cross-entropy over the counted targets (divided by ``denominator`` when
+        given, so that replicas holding parts of a batch add up to the batch's mean), plus the MoE
+        load-balancing loss (weight ``MOE_AUX_WEIGHT``) with experts."""
+        return self.head_loss(self.hidden(ids), targets, denominator)
+
+    def hidden(self, ids):
+        """The last block's output (B, T, n_embd)."""
         x = self.embed(ids)
         for block in self.blocks:
             x = block(x)
-        return self.logits(x)
+        return x
+
+    def head_loss(self, x, targets, denominator=None):
+        """The loss from the last block's output ``x`` (a pipeline's last stage starts here)."""
+        targets = xp.asarray(targets.data if isinstance(targets, Tensor) else targets)
+        if denominator is None:
+            loss = F.cross_entropy(self.logits(x), targets)
+        else:
+            loss = F.cross_entropy(self.logits(x), targets, reduction="sum") / denominator
+        if self.config.n_experts:
+            loss = loss + MOE_AUX_WEIGHT * self.moe_aux_loss()
+        return loss
+
+    # --- the pipeline's stage protocol (tinytrain.parallel.pipeline.StageModel) -----------------
+
+    def first_parameters(self) -> list:
+        """Held by the first pipeline stage besides its blocks: the embeddings."""
+        return self.wte.parameters() + self.wpe.parameters()
+
+    def last_parameters(self) -> list:
+        """Held by the last stage besides its blocks: final norm and head (the tied embedding)."""
+        return self.ln_f.parameters() + (self.head.parameters() if self.head is not None else [self.wte.weight])
+
+    def activation_shape(self, rows: int, seq_len: int) -> tuple:
+        """Shape of what one block hands the next, for ``rows`` sequences of ``seq_len`` tokens."""
+        return (rows, seq_len, self.config.n_embd)
 
     def moe_aux_loss(self):
         """Sum of the MoE layers' load-balancing losses from the last forward (0.0 without MoE)."""

@@ -33,12 +33,11 @@ and the region edges become the two halves of a ring all-reduce (see ``mappings.
 Under SP a replicated weight (LayerNorm, row bias) sees only my tokens, so its gradient is a
 partial sum: its Shard says ``partial`` and the model sums it over the group after backward.
 
-Dropout ("per-region RNG"): every rank seeds the global generator the same way (the training loop
-calls ``manual_seed((seed, step))``), then each dropout draws the mask for the *full* serial shape
-in the serial order and keeps the piece for its own rows/sequence positions. The masks therefore
-equal the serial model's bit for bit, whatever t is; the price is drawing t times more random
-numbers than used, cheap next to the matmuls. Each layer keeps its serial dropout's name in
-``dropout_site`` for a generator keyed by site.
+Dropout ("per-region RNG"): each layer keeps its serial dropout's name in ``dropout_site``; the
+mask comes from a generator keyed by (seed, step, site) (``tinytrain.random``), is drawn for the
+*full* serial shape and cut to this rank's piece (its sequence positions, its rows of the global
+batch). The masks therefore equal the serial model's bit for bit, whatever t is; the price is
+drawing t times more random numbers than used, cheap next to the matmuls.
 """
 
 from __future__ import annotations
@@ -47,8 +46,7 @@ from dataclasses import dataclass
 
 from tinytrain import distributed as dist
 from tinytrain import functional as F
-from tinytrain import random as _random
-from tinytrain.autograd import Parameter, Tensor, ops
+from tinytrain.autograd import Parameter, Tensor
 from tinytrain.backend import xp
 from tinytrain.nn.module import Module
 from tinytrain.parallel.tensor_parallel.mappings import (
@@ -118,7 +116,6 @@ class Parallel(Module):
     def __init__(self, group, sequence_parallel: bool):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.rows = None  # (first row, global batch) for a data-parallel replica, else all rows
         self.sources = {}  # my parameter's attribute -> its Shard
 
     def keep(self, attr: str, source: Shard | None) -> None:
@@ -145,19 +142,12 @@ class Parallel(Module):
         return ReduceFromRegion.apply(x, group=self.group)
 
     def dropout(self, x, p, training):
-        """Dropout with the serial mask: draw it for the full serial shape, keep my piece (see top).
-
-        My piece: my sequence positions under SP, and my rows of the global batch when a
-        data-parallel replica holds only ``self.rows = (first row, global batch)``."""
-        if not training or p == 0.0:
-            return x
-        # BEGIN SOLUTION 4.5 "Full shape: (global batch, T·t under SP, C); index: my rows and (SP) my sequence positions; ops.Dropout with full_shape and index."
-        n, r, T = dist.get_world_size(self.group), dist.get_rank(self.group), x.shape[1]
-        full_T, seq = (T * n, slice(r * T, (r + 1) * T)) if self.sequence_parallel else (T, slice(None))
-        first, batch = self.rows or (0, x.shape[0])
-        index = (slice(first, first + x.shape[0]), seq)
-        full_shape = (batch, full_T) + x.shape[2:]
-        return ops.Dropout.apply(x, p, _random.default_generator(), full_shape=full_shape, index=index)
+        """Dropout with the serial mask: my piece of the mask the serial module ``dropout_site``
+        draws for the whole batch (see top): my sequence positions under SP; my rows of the
+        global batch come from ``random.batch_rows``, which the data-parallel layout sets."""
+        # BEGIN SOLUTION 4.5 "functional.dropout with site=self.dropout_site; under SP also seq_shard=(my rank, group size)."
+        seq_shard = (dist.get_rank(self.group), dist.get_world_size(self.group)) if self.sequence_parallel else None
+        return F.dropout(x, p, training, site=self.dropout_site, seq_shard=seq_shard)
         # END SOLUTION
 
 

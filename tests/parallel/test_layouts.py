@@ -1,0 +1,122 @@
+"""Every layout the mesh can express trains the serial model, with dropout on.
+
+``tinytrain train`` under each layout (data, tensor, sequence, pipeline parallel, ZeRO, and their
+combinations on one mesh) must give the serial run's loss curve, clipped gradient norms and final
+evaluation: same batches, same dropout masks (keyed by site, cut to each rank's piece), float32
+rounding only. Layouts that cannot work are refused before any rank computes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tinytrain import distributed as dist
+from tinytrain.cli import main
+
+import parallel_cases
+
+TINY = ["--layers", "4", "--width", "32", "--heads", "2", "--batch-size", "8", "--steps", "4", "--eval-every", "2",
+        "--eval-batches", "1", "--warmup", "1", "--dropout", "0.1", "--quiet", "--no-plot"]
+
+_serial: dict = {}  # the serial run's metrics, computed once (rank 0)
+
+
+def metrics(out) -> dict:
+    return json.loads((out / "metrics.json").read_text())
+
+
+def serial_metrics(tmp_path) -> dict:
+    if "metrics" not in _serial:
+        assert main(["train", *TINY, "--out", str(tmp_path / "serial")]) == 0
+        _serial["metrics"] = metrics(tmp_path / "serial")
+    return _serial["metrics"]
+
+
+def assert_on_serial_curve(out, tmp_path) -> None:
+    """Loss, clipped gradient norm per step and the final evaluation equal the serial run's."""
+    got, want = metrics(out), serial_metrics(tmp_path)
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([s[key] for s in got["steps"]], [s[key] for s in want["steps"]],
+                                   rtol=2e-5, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(got["final"]["val_loss"], want["final"]["val_loss"], rtol=2e-5)
+
+
+def run_layout(tmp_path, layout: str) -> None:
+    out = parallel_cases.shared_dir(tmp_path) / "run"
+    assert main(["train", *TINY, *layout.split(), "--out", str(out)]) == 0
+    if dist.get_rank() == 0:
+        assert_on_serial_curve(out, tmp_path)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("layout", [
+    "--dp 4", "--dp 4 --zero 1", "--dp 4 --zero 2", "--dp 4 --zero 3",
+    "--tp 4", "--tp 4 --sp", "--dp 2 --tp 2 --sp", "--dp 2 --tp 2 --sp --zero 1",
+    "--pp 4", "--pp 2 --dp 2 --zero 1", "--pp 2 --dp 2 --schedule gpipe", "--pp 2 --tp 2 --sp",
+    "--pp 2 --tp 2 --schedule interleaved --chunks 2 --microbatches 4",
+])
+def test_four_rank_layouts_lie_on_the_serial_curve(tmp_path, layout):
+    run_layout(tmp_path, layout)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("layout", ["--dp 2 --zero 3", "--pp 2 --schedule interleaved --chunks 2 --microbatches 4"])
+def test_two_rank_layouts_lie_on_the_serial_curve(tmp_path, layout):
+    run_layout(tmp_path, layout)
+
+
+@pytest.mark.world_size(8)
+def test_every_strategy_at_once_lies_on_the_serial_curve(tmp_path):
+    """Needs `mpirun -n 8` (the suite's 4 ranks skip it): DP x PP x TP with SP and ZeRO-1."""
+    run_layout(tmp_path, "--dp 2 --pp 2 --tp 2 --sp --zero 1")
+
+
+@pytest.mark.world_size(4)
+def test_zero_prints_memory_per_rank_and_trace_shows_every_rank(tmp_path, capsys):
+    out = parallel_cases.shared_dir(tmp_path)
+    trace = out / "trace.json"
+    assert main(["train", *TINY, "--steps", "1", "--dp", "2", "--tp", "2", "--zero", "1", "--out", str(out / "r"),
+                 "--trace", str(trace)]) == 0
+    if dist.get_rank() == 0:
+        assert "ZeRO-1 memory per rank" in capsys.readouterr().err
+        events = json.loads(trace.read_text())
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        assert {e["pid"] for e in events if e.get("name") == "all_reduce"} == {0, 1, 2, 3}
+
+
+@pytest.mark.world_size(2)
+def test_pipeline_plot_and_trace_leave_their_files(tmp_path):
+    out = parallel_cases.shared_dir(tmp_path)
+    assert main(["train", *TINY, "--pp", "2", "--out", str(out / "r"), "--plot", "--trace", str(out / "t.json")]) == 0
+    if dist.get_rank() == 0:
+        for name in ("pipeline.png", "activation_memory.png", "metrics.json", "ckpt/manifest.json"):
+            assert (out / "r" / name).stat().st_size > 0, name
+        events = json.loads((out / "t.json").read_text())
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        assert {e.get("pid") for e in events if e.get("name", "").startswith("F")} >= {0, 1}
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("extra, message", [
+    (["--dp", "4"], "needs exactly 4 ranks"),
+    (["--pp", "2", "--dp", "2"], "needs exactly 4 ranks"),
+    (["--dp", "2", "--batch-size", "7"], "does not split into 2 replicas; use a multiple of 2"),
+    (["--dp", "2", "--bucket-mb", "0"], "--bucket-mb must be positive"),
+    (["--pp", "2", "--microbatches", "3"], "does not split into 1 replicas x 3 micro-batches"),
+    (["--pp", "2", "--chunks", "2"], "needs --schedule interleaved"),
+    (["--pp", "2", "--layers", "1"], "one would be empty"),
+    (["--pp", "2", "--zero", "2"], "use --zero 1 with --pp"),
+    (["--tp", "2", "--zero", "3"], "use --zero 1 with --tp"),
+    (["--tp", "2", "--heads", "3", "--width", "33"], "number of attention heads = 3"),
+    (["--sp"], "add --tp 2 or more"),
+    (["--dp", "2", "--experts", "2"], "--experts trains serially"),
+])
+def test_impossible_layouts_are_refused_with_what_to_change(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *TINY, "--out", str(tmp_path), *extra])
+    assert exc.value.code == 2
+    if dist.get_rank() == 0:
+        assert message in capsys.readouterr().err

@@ -1,0 +1,223 @@
+"""Hybrid parallelism: one plan, one device mesh, the strategies applied in one order.
+
+A ``Plan`` says how many ranks each strategy gets. Its ranks form a mesh, tensor parallel
+innermost (its all-reduces run between every pair of matmuls: keep them inside a node), then
+pipeline stages, data-parallel replicas outermost (one gradient sum per step)::
+
+    mpirun -n 8 tinytrain train --dp 2 --pp 2 --tp 2        mesh {dp: 2, pp: 2, tp: 2}
+
+                 replica 0 (dp = 0)             replica 1 (dp = 1)
+               stage 0        stage 1         stage 0        stage 1
+              ┌──────────┐  ┌──────────┐     ┌──────────┐  ┌──────────┐
+    tp pair   │ r0    r1 │─►│ r2    r3 │     │ r4    r5 │─►│ r6    r7 │
+              └──────────┘  └──────────┘     └──────────┘  └──────────┘
+    r0 r1: all-reduce (TP) in every block    r0 → r2: activations (PP, send/recv)
+    r0 ↔ r4: gradient all-reduce (DP) or reduce-scatter + all-gather (ZeRO-1) after backward
+
+``parallelize(model, plan)`` turns the serial GPT (the same weights on every rank, from the seed)
+into this rank's part, always in this order, as torchtitan's ``parallelize`` does:
+
+    1. shard every block for TP (and SP)         tensor_parallel.tensor_parallel_gpt
+    2. cut the blocks into pipeline stages       pipeline.PipelineStage
+    3. replicate over DP, or shard with ZeRO     data_parallel.BucketedDDP, zero.Zero
+
+and returns a ``ParallelModel``: ``forward_backward``, ``clip_grad_norm_``, ``step``. The training
+loop drives that and knows no strategy. Every layout computes the serial model's loss and
+gradients: replica d takes rows [d·B/D, (d+1)·B/D) of the global batch, divides its summed loss
+by (targets in the global batch) / D, and the DP average then is the serial gradient; dropout
+draws the serial masks (``tinytrain.random``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tinytrain import checkpoint
+from tinytrain import distributed as dist
+from tinytrain import functional as F
+from tinytrain import random as _random
+from tinytrain.backend import xp
+from tinytrain.checkpoint import Placement
+from tinytrain.data import IGNORE
+from tinytrain.optim import clip_grad_norm_
+from tinytrain.parallel.plan import Plan
+
+
+class ParallelModel:
+    """This rank's part of the serial ``model`` under ``plan``; see the module docstring."""
+
+    def __init__(self, model, plan: Plan):
+        self.model, self.plan = model, plan
+        self.shapes = {name: p.shape for name, p in model.named_parameters()}
+        mesh = plan.mesh()
+        self.dp_rank, self.tp_rank = mesh.coordinate("dp"), mesh.coordinate("tp")
+        self.dp_group, self.pp_group, self.tp_group = (mesh.get_group(a) for a in ("dp", "pp", "tp"))
+        self.placement = {id(p): Placement(name) for name, p in model.named_parameters()}
+        self.part = self._shard_tensor_parallel(model)  # 1.
+        self.stage = self._split_pipeline(self.part)  # 2.
+        self.dp, self.zero = self._wrap_data_parallel()  # 3.
+
+    # --- 1. tensor (and sequence) parallel ----------------------------------------------------
+
+    def _shard_tensor_parallel(self, model):
+        if self.plan.tp == 1:
+            return model
+        from tinytrain.parallel.tensor_parallel import tensor_parallel_gpt
+
+        part = tensor_parallel_gpt(model, self.tp_group, sequence_parallel=self.plan.sp)
+        for s in part.shards():
+            self.placement[id(s.param)] = Placement(s.name, s.axis, s.start, s.stop)
+            if s.partial:  # SP: saw only my tokens; sum over the TP group as each gradient arrives,
+                s.param.register_hook(self._sum_over_tp)  # so DP/ZeRO and micro-batches see whole ones
+        return part
+
+    def _sum_over_tp(self, grad):
+        return dist.all_reduce(grad.copy(), group=self.tp_group, algo="ring")
+
+    # --- 2. pipeline ---------------------------------------------------------------------------
+
+    def _split_pipeline(self, part):
+        if self.plan.pp == 1:
+            return None
+        from tinytrain.parallel.pipeline import PipelineStage, make_schedule
+
+        plan = self.plan
+        stage = PipelineStage(part, plan.pp, plan.chunks, group=self.pp_group)
+        self.actions = make_schedule(plan.schedule, plan.pp, plan.n_microbatches, plan.chunks)[stage.rank]
+        return stage
+
+    # --- 3. data parallel or ZeRO ----------------------------------------------------------------
+
+    def _wrap_data_parallel(self):
+        """(wrapper the forward runs through or None, the ZeRO object or None)."""
+        plan, group = self.plan, self.dp_group
+        if plan.zero:
+            from tinytrain.parallel.zero import Zero
+
+            target = self.stage.parameters() if self.stage is not None else self.part
+            zero = Zero(target, None, stage=plan.zero, group=group)
+            return (zero if self.stage is None else None), zero
+        if plan.dp > 1 and self.stage is None:
+            from tinytrain.parallel.data_parallel import BucketedDDP
+
+            return BucketedDDP(self.part, bucket_mb=plan.bucket_mb, group=group, poll=plan.progress == "poll"), None
+        return None, None
+
+    def parameters(self) -> list:
+        """The parameters this rank's optimizer updates (ZeRO: it updates its pieces of them)."""
+        return self.stage.parameters() if self.stage is not None else self.part.parameters()
+
+    def named_parameters(self) -> list:
+        """(Placement, parameter) of every local parameter."""
+        return [(self.placement[id(p)], p) for p in self.parameters()]
+
+    # --- one step ----------------------------------------------------------------------------------
+
+    def forward_backward(self, x, y) -> float:
+        """Forward and backward of the global batch ``(x, y)``; returns its mean loss (every rank)."""
+        plan, total = self.plan, x.shape[0]
+        per = total // plan.dp
+        first = self.dp_rank * per
+        n_targets = int((y != IGNORE).sum()) / plan.dp  # DP averages: (sum over replicas) / targets
+        x, y = x[first:first + per], y[first:first + per]
+        if self.stage is not None:
+            from tinytrain.parallel.pipeline import train_step
+
+            loss, _ = train_step(self.stage, self.actions, x, y, plan.n_microbatches, n_targets, first, total)
+            self._sync_pipeline_gradients()
+            value = xp.asarray([loss if loss is not None else 0.0], dtype=xp.float64)
+            dist.all_reduce(value, group=self.pp_group)  # the last stage has it
+        else:
+            with _random.batch_rows(first, total):
+                loss = self._loss(x, y, n_targets)
+                self.dp.backward(loss) if self.dp is not None else loss.backward()
+            value = xp.asarray([loss.item()], dtype=xp.float64)
+        return float(dist.all_reduce(value, op="avg", group=self.dp_group)[0])
+
+    def _loss(self, x, y, n_targets):
+        if self.zero is not None and self.zero.stage == 3:  # runs layer by layer, gathering each
+            return F.cross_entropy(self.zero(xp.asarray(x)), xp.asarray(y), reduction="sum") / n_targets
+        return self.part.loss(x, y, denominator=n_targets)
+
+    def _sync_pipeline_gradients(self) -> None:
+        if self.zero is not None:
+            self.zero.finish_gradient_sync()
+        elif self.plan.dp > 1:
+            for p in self.parameters():
+                if p.grad is None:
+                    p.grad = xp.zeros_like(p.data)
+                dist.all_reduce(p.grad, op="avg", group=self.dp_group)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip by the global norm of the serial model's gradient: squares summed over every group
+        that holds different numbers (ZeRO pieces over DP, TP shards over TP, stages over PP); a
+        weight replicated over TP, or tied between first and last stage, counts once."""
+        tied = {id(p) for p in self.stage.tied} if self.stage is not None and not self.stage.is_first else set()
+        sq = xp.zeros(2, dtype=xp.float64)  # [TP-sharded, TP-replicated]
+        for p, grad in self._local_gradients():
+            if grad is not None and id(p) not in tied:
+                sq[0 if self.placement[id(p)].axis is not None else 1] += float((grad.astype(xp.float64) ** 2).sum())
+        if self.zero is not None:
+            dist.all_reduce(sq, group=self.dp_group)
+        if self.stage is not None:
+            dist.all_reduce(sq, group=self.pp_group)
+        sharded = sq[:1].copy()
+        dist.all_reduce(sharded, group=self.tp_group)
+        total = math.sqrt(float(sharded[0] + sq[1]))
+        if self.zero is not None:
+            return self.zero.clip_grad_norm_(max_norm, total_norm=total)
+        return clip_grad_norm_(self.parameters(), max_norm, total_norm=total)
+
+    def _local_gradients(self):
+        if self.zero is not None:
+            return [(s.p, s.grad) for s in self.zero.shards]
+        return [(p, p.grad) for p in self.parameters()]
+
+    def step(self, optimizer) -> None:
+        if self.zero is not None:
+            self.zero.step(optimizer)
+        else:
+            optimizer.step()
+
+    # --- the whole model on every rank (evaluation, sampling) ---------------------------------------
+
+    def gather_model(self) -> None:
+        """Put the current full parameters into the serial ``model`` on every rank."""
+        if self.zero is not None and self.zero.stage == 3:
+            self.zero.materialize()
+        if self.stage is not None:
+            from tinytrain.parallel.pipeline import share_parameters
+
+            share_parameters(self.stage)  # every stage's parameters (of this TP shard)
+        if self.part is not self.model:
+            self.part.write_into(self.model)  # the TP shards, gathered
+
+    # --- checkpoints: each rank its own pieces, read back under any layout ---------------------------
+
+    def checkpoint_pieces(self, optimizer):
+        """``(pieces, scalars)`` this rank writes (``checkpoint.collect``)."""
+        return checkpoint.collect(self.named_parameters(), optimizer, self._zero_shards(), self._writes)
+
+    def load_checkpoint(self, reader, optimizer) -> None:
+        checkpoint.restore(reader, self.named_parameters(), optimizer, self._zero_shards())
+
+    def _zero_shards(self):
+        return self.zero.shards if self.zero is not None else None
+
+    def _writes(self, placement, p) -> bool:
+        """One writer per piece: TP rank 0 for a TP-replicated weight, DP rank 0 unless ZeRO
+        splits it, the first stage for a weight tied between first and last stage."""
+        if placement.axis is None and self.tp_rank != 0:
+            return False
+        if self.zero is None and self.dp_rank != 0:
+            return False
+        return not (self.stage is not None and not self.stage.is_first and any(p is t for t in self.stage.tied))
+
+    def memory(self) -> dict | None:
+        """ZeRO's bytes per rank (params, grads, optimizer, gathered_peak), else None."""
+        return self.zero.memory() if self.zero is not None else None
+
+
+def parallelize(model, plan: Plan) -> ParallelModel:
+    """This rank's part of ``model`` under ``plan``: shard (TP/SP), split (PP), wrap (DP/ZeRO)."""
+    return ParallelModel(model, plan)

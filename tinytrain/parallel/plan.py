@@ -1,0 +1,91 @@
+"""The layout of a parallel run: how many ranks each strategy gets (``Plan``) and which layouts
+cannot work (``Plan.check``, one sentence each, before any rank computes).
+
+The mesh has TP innermost, then PP, DP outermost; ``hybrid.parallelize`` applies the plan to a
+model. This module imports nothing that talks between ranks, so the CLI checks flags without MPI.
+"""
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How many ranks each strategy gets, and its settings. ``Plan()`` is one serial rank."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+    zero: int = 0
+    schedule: str = "1f1b"
+    microbatches: int | None = None  # per step and replica; default 2 x pp
+    chunks: int = 1
+    bucket_mb: float = 1.0
+    progress: str = "poll"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.microbatches or 2 * self.pp
+
+    @property
+    def is_serial(self) -> bool:
+        return self.world_size == 1 and not self.zero and not self.sp
+
+    def flags(self) -> str:
+        """The command-line flags of this plan, for messages."""
+        parts = [f"--{k} {v}" for k, v in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp)) if v > 1]
+        parts += ["--sp"] if self.sp else []
+        parts += [f"--zero {self.zero}"] if self.zero else []
+        return " ".join(parts) or "(serial)"
+
+    def check(self, world_size: int, config, batch_size: int) -> None:
+        """Refuse, before any rank computes, a layout that cannot work: one sentence per reason."""
+        for name in ("dp", "tp", "pp", "chunks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ValueError(f"--microbatches must be at least 1, got {self.microbatches}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+        if world_size != self.world_size:
+            raise ValueError(f"{self.flags()} needs exactly {self.world_size} ranks (dp x pp x tp): run `mpirun -n "
+                             f"{self.world_size} tinytrain train {self.flags()} ...` (this run has {world_size})")
+        if self.sp and self.tp < 2:
+            raise ValueError("--sp splits the sequence over the tensor-parallel group: add --tp 2 or more")
+        if self.pp == 1 and (self.chunks != 1 or self.microbatches):
+            raise ValueError("--chunks and --microbatches cut the batch for a pipeline: they need --pp 2 or more")
+        if self.zero > 1 and self.pp > 1:
+            raise ValueError(f"--zero {self.zero} with --pp would reduce-scatter gradients (and gather parameters) "
+                             "once per micro-batch; pipelines accumulate micro-batches, so use --zero 1 with --pp "
+                             "(as Megatron-LM and DeepSpeed do)")
+        if self.zero > 1 and self.tp > 1:
+            raise ValueError(f"--zero {self.zero} with --tp is not composed here (ZeRO-2/3 would shard gradients "
+                             "mid-backward across tensor-parallel shards); use --zero 1 with --tp")
+        if config.n_experts and self.world_size > 1:
+            raise ValueError("--experts trains serially for now: its load-balancing loss is a whole-batch "
+                             "statistic that replicas and stages would each compute on their part")
+        if self.tp > 1 and not config.tie_weights:
+            raise ValueError("--tp shards the plain GPT with tied weights")
+        if batch_size % (self.dp * (self.n_microbatches if self.pp > 1 else 1)):
+            per = f"{self.dp} replicas x {self.n_microbatches} micro-batches" if self.pp > 1 else f"{self.dp} replicas"
+            step = self.dp * (self.n_microbatches if self.pp > 1 else 1)
+            raise ValueError(f"--batch-size {batch_size} (the global batch) does not split into {per}; "
+                             f"use a multiple of {step}")
+        if self.pp > 1:  # schedule and split errors name the flags already
+            from tinytrain.parallel.pipeline import make_schedule, split_layers
+
+            make_schedule(self.schedule, self.pp, self.n_microbatches, self.chunks)
+            split_layers(config.n_layer, self.pp, self.chunks)
+
+    def mesh(self):
+        """The device mesh {dp, pp, tp} of this plan over the world (TP innermost)."""
+        from tinytrain import distributed as dist
+
+        return dist.DeviceMesh({"dp": self.dp, "pp": self.pp, "tp": self.tp})

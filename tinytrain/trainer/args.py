@@ -1,0 +1,88 @@
+"""The arguments of ``tinytrain train``, their checks, and the parallel ``Plan`` they describe.
+
+Only argparse runs at import: ``tinytrain --help`` must not start MPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tinytrain.nn import GPT, GPTConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    data = p.add_argument_group("data")
+    data.add_argument("--data", default="addition", help="'addition' (built in) or a path to a text file")
+    data.add_argument("--digits", type=int, default=2, help="operand digits of the addition task")
+    data.add_argument("--block-size", type=int, default=None, help="context length for text data (default 64)")
+    model = p.add_argument_group("model")
+    model.add_argument("--layers", type=int, default=2)
+    model.add_argument("--heads", type=int, default=4)
+    model.add_argument("--width", type=int, default=128, help="embedding width (n_embd)")
+    model.add_argument("--dropout", type=float, default=0.0)
+    model.add_argument("--experts", type=int, default=0, help="> 0: mixture-of-experts MLPs with this many experts")
+    opt = p.add_argument_group("optimization")
+    opt.add_argument("--steps", type=int, default=600)
+    opt.add_argument("--batch-size", type=int, default=64, help="global batch (sequences per step)")
+    opt.add_argument("--lr", type=float, default=1e-3)
+    opt.add_argument("--min-lr", type=float, default=1e-4)
+    opt.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps, at most 30)")
+    opt.add_argument("--weight-decay", type=float, default=0.01)
+    opt.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
+    opt.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    run = p.add_argument_group("run")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--out", default="runs/latest", help="folder for metrics.json, loss.png and the checkpoint ckpt/")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from OUT/ckpt (written by any layout: the run may change --dp/--tp/--pp/--zero)")
+    run.add_argument("--eval-every", type=int, default=100)
+    run.add_argument("--eval-batches", type=int, default=4)
+    run.add_argument("--ckpt-every", type=int, default=200)
+    run.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
+    run.add_argument("--trace", default=None, metavar="OUT.json", help="write a Chrome trace of every rank (Perfetto)")
+    run.add_argument("--plot", action="store_true", help="also draw what each rank did in the last step (pipeline)")
+    par = p.add_argument_group("parallelism (run under mpirun -n N)")
+    par.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    par.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b")
+    par.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: 2 x --pp)")
+    par.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved schedule)")
+    par.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    par.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                     help="ZeRO stage over the data-parallel ranks (1 optimizer state, 2 + gradients, 3 + parameters)")
+    par.add_argument("--bucket-mb", type=float, default=1.0, help="DDP gradient bucket size in MB")
+    par.add_argument("--progress", choices=("poll", "thread"), default="poll",
+                     help="how async all-reduces advance during backward: polled from hooks, or a helper thread")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (heads, width and vocabulary split)")
+    par.add_argument("--sp", action="store_true",
+                     help="with --tp: sequence parallel (LayerNorm/dropout on sequence shards)")
+    run.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def check_args(args) -> None:
+    """Reject impossible settings with a message that says what to change."""
+    for name in ("steps", "batch_size", "layers", "heads", "width", "eval_every", "eval_batches", "ckpt_every"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.lr <= 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
+    if args.warmup is None:
+        args.warmup = min(30, args.steps // 20)
+    if args.warmup > args.steps:
+        raise ValueError(f"--warmup {args.warmup} is longer than --steps {args.steps}")
+
+
+def plan_of(args):
+    """The parallel layout the flags ask for (``tinytrain.parallel.plan.Plan``)."""
+    from tinytrain.parallel.plan import Plan
+
+    return Plan(dp=args.dp, tp=args.tp, pp=args.pp, sp=args.sp, zero=args.zero, schedule=args.schedule,
+                microbatches=args.microbatches, chunks=args.chunks, bucket_mb=args.bucket_mb, progress=args.progress)
+
+
+def build_model(args, dataset) -> GPT:
+    config = GPTConfig(
+        vocab_size=dataset.vocab_size, block_size=dataset.block_size, n_layer=args.layers,
+        n_head=args.heads, n_embd=args.width, dropout=args.dropout, n_experts=args.experts,
+        moe_top_k=min(2, args.experts) if args.experts else 2,
+    )
+    return GPT(config, seed=args.seed)

@@ -1,0 +1,190 @@
+"""``tinytrain train``: train a GPT and leave metrics, a loss curve and a checkpoint behind.
+
+    tinytrain train                          # the built-in addition task, about a minute on 2 cores
+    tinytrain train --data book.txt          # characters of any text file
+    tinytrain train --out runs/a --resume    # continue exactly where runs/a stopped
+    mpirun -n 4 tinytrain train --dp 2 --tp 2 --resume   # ... under another layout
+
+The loop is the textbook one: draw a batch, forward, loss, backward, clip, optimizer step, LR
+schedule. It knows no parallel strategy: a runner (``runners.py``) runs each step on this rank.
+Batches and dropout masks are functions of (seed, step), so a resumed run reproduces the
+uninterrupted one, whatever layout wrote the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from tinytrain import checkpoint
+from tinytrain import random as _random
+from tinytrain.autograd import no_grad
+from tinytrain.backend import device
+from tinytrain.data import AdditionDataset, load_dataset
+from tinytrain.optim import SGD, AdamW, WarmupCosine
+from tinytrain.trainer.args import add_arguments, build_model, check_args, plan_of
+from tinytrain.trainer.runners import make_runner
+
+__all__ = ["add_arguments", "run"]
+
+
+def build_optimizer(args, params):
+    if args.optimizer == "adamw":
+        optimizer = AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    else:
+        optimizer = SGD(params, lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
+    return optimizer, WarmupCosine(optimizer, args.warmup, args.steps, min_lr=args.min_lr)
+
+
+def evaluate(model, dataset, args, step: int) -> dict:
+    model.eval()
+    result = {}
+    with no_grad():
+        for split in ("train", "val"):
+            losses = [
+                model.loss(*dataset.batch(split, args.batch_size, seed=args.seed + 1, step=i)).item()
+                for i in range(args.eval_batches)
+            ]
+            result[f"{split}_loss"] = sum(losses) / len(losses)
+    if isinstance(dataset, AdditionDataset):
+        from tinytrain.sample import generate
+
+        result["val_accuracy"] = dataset.accuracy(lambda p, n: generate(model, p, n), count=200, seed=args.seed)
+    model.train()
+    return result
+
+
+class Progress:
+    """One self-rewriting line on a terminal; a plain line every so often elsewhere (CI logs)."""
+
+    def __init__(self, total: int, quiet: bool):
+        self.total, self.quiet = total, quiet
+        self.tty = sys.stderr.isatty()
+        self.every = max(1, total // 20)
+        self.start = time.perf_counter()
+
+    def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
+        if self.quiet:
+            return
+        done = step / self.total
+        bar = "#" * int(24 * done) + "-" * (24 - int(24 * done))
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / max(done, 1e-9) - elapsed
+        line = (f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] loss {loss:.4f} "
+                f"| {tokens_per_s / 1000:.1f}k tok/s | eta {eta:4.0f}s {extra}")
+        if self.tty:
+            print("\r" + line, end="\n" if step == self.total else "", file=sys.stderr, flush=True)
+        elif step % self.every == 0 or step == self.total or extra:
+            print(line, file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    check_args(args)
+    dataset = load_dataset(args.data, args.block_size, args.digits)
+    model = build_model(args, dataset)
+    runner = make_runner(model, plan_of(args), args.batch_size)
+    optimizer, schedule = build_optimizer(args, runner.parameters())
+    quiet = args.quiet or not runner.is_main
+    if args.trace or args.plot:
+        from tinytrain import trace
+
+        trace.enable()
+    out = Path(args.out)
+    ckpt = out / "ckpt"
+    metrics = {"config": {"args": _plain_args(args), "model": model.config.to_dict(), "device": device,
+                          "parameters": model.num_parameters()},
+               "steps": []}
+    start_step = 0
+    if args.resume:
+        start_step, metrics["steps"] = resume(ckpt, runner, model, optimizer, schedule, args)
+        if start_step >= args.steps and not quiet:
+            print(f"checkpoint is at step {start_step}; nothing to do for --steps {args.steps}", file=sys.stderr)
+
+    if not quiet:
+        print(f"tinytrain: GPT with {model.num_parameters():,} parameters on {device}, data={dataset.name}, "
+              f"batch {args.batch_size} x {dataset.block_size} tokens, steps {start_step + 1}..{args.steps}",
+              file=sys.stderr)
+    progress = Progress(args.steps, quiet)
+    tokens_per_step = args.batch_size * dataset.block_size
+    for step in range(start_step + 1, args.steps + 1):
+        t0 = time.perf_counter()
+        _random.manual_seed((args.seed, step))  # dropout masks depend on (seed, step, site) only
+        x, y = dataset.batch("train", args.batch_size, seed=args.seed, step=step)
+        optimizer.zero_grad()
+        with _trace_step(step):
+            loss_value = runner.forward_backward(x, y)
+        grad_norm = runner.clip_gradients(args.grad_clip) if args.grad_clip else None
+        lr = optimizer.lr
+        runner.step(optimizer)
+        schedule.step()
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss became {loss_value} at step {step}; lower --lr or enable --grad-clip")
+        dt = time.perf_counter() - t0
+        record = {"step": step, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_per_step / dt}
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
+        extra = ""
+        if step % args.eval_every == 0 or step == args.steps:
+            runner.share_model()
+            if runner.is_main:
+                ev = evaluate(model, dataset, args, step)
+                record.update(val_loss=ev["val_loss"], eval_train_loss=ev["train_loss"])
+                if "val_accuracy" in ev:
+                    record["val_accuracy"] = ev["val_accuracy"]
+                extra = f"val {ev['val_loss']:.4f}" + (f" acc {ev['val_accuracy']:.2f}" if "val_accuracy" in ev else "")
+        metrics["steps"].append(record)
+        progress.update(step, loss_value, record["tokens_per_s"], extra)
+        if step % args.ckpt_every == 0 or step == args.steps:
+            meta = {"step": step, "seed": args.seed, "optimizer": args.optimizer, "args": _plain_args(args),
+                    "model_config": model.config.to_dict(), "metrics_steps": metrics["steps"]}
+            runner.save(ckpt, step, optimizer, meta)
+
+    runner.share_model()
+    runner.finish(args, out)
+    if not runner.is_main:
+        return 0
+    final = evaluate(model, dataset, args, args.steps)
+    metrics["final"] = final
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    if not args.no_plot and metrics["steps"]:
+        from tinytrain.viz import plot_loss_curve
+
+        plot_loss_curve(metrics, out / "loss.png", title=f"GPT on {dataset.name}")
+    if not quiet:
+        summary = ", ".join(f"{k} {v:.4f}" for k, v in final.items())
+        print(f"done: {summary}; wrote {out}/metrics.json, loss.png, ckpt/", file=sys.stderr)
+    return 0
+
+
+def resume(ckpt: Path, runner, model, optimizer, schedule, args) -> tuple[int, list]:
+    """Load the checkpoint (written by any layout) into this layout; return (step, metrics so far)."""
+    reader = checkpoint.Reader(ckpt)
+    meta = reader.meta
+    if meta["model_config"] != model.config.to_dict():
+        raise ValueError(f"the checkpoint in {ckpt} is of another model ({meta['model_config']}); "
+                         "resume with the same --layers/--heads/--width/--data settings")
+    if meta["optimizer"] != args.optimizer:
+        raise ValueError(f"the checkpoint in {ckpt} was trained with --optimizer {meta['optimizer']}; "
+                         f"resume with --optimizer {meta['optimizer']}")
+    if meta["seed"] != args.seed:
+        raise ValueError(f"the checkpoint in {ckpt} was trained with --seed {meta['seed']}; resume with that seed "
+                         "(batches and dropout masks follow it)")
+    runner.load(reader, optimizer)
+    step = meta["step"]
+    schedule.last_step = step
+    optimizer.lr = schedule.lr_at(step + 1)
+    return step, meta["metrics_steps"]
+
+
+def _plain_args(args) -> dict:
+    return {k: v for k, v in vars(args).items() if not k.startswith("_")}
+
+
+def _trace_step(step: int):
+    from tinytrain import trace
+
+    return trace.span("step", cat="step", step=step)

@@ -1,0 +1,172 @@
+"""Runners: how one training step runs on this rank. The loop (``loop.py``) calls only these.
+
+``SerialRunner`` holds the whole model in one process (no MPI). ``MeshRunner`` runs any layout a
+``Plan`` describes (``--dp/--tp/--pp/--sp/--zero``) through ``tinytrain.parallel.hybrid``; it
+knows no strategy either: the composition lives there.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Protocol
+
+from tinytrain import checkpoint
+from tinytrain.checkpoint import Placement
+from tinytrain.optim import clip_grad_norm_
+
+
+class Runner(Protocol):
+    """What the training loop needs from a layout."""
+
+    is_main: bool  # this rank prints, evaluates and writes metrics
+
+    def parameters(self) -> list: ...  # what this rank's optimizer updates
+
+    def forward_backward(self, x, y) -> float: ...  # gradients of the global batch; its mean loss
+
+    def clip_gradients(self, max_norm: float) -> float: ...  # by the global norm; returns it
+
+    def step(self, optimizer) -> None: ...
+
+    def share_model(self) -> None: ...  # the full current model in the serial GPT on every rank
+
+    def save(self, folder, step: int, optimizer, meta: dict) -> None: ...  # every rank its pieces
+
+    def load(self, reader: checkpoint.Reader, optimizer) -> None: ...  # from a checkpoint of any layout
+
+    def finish(self, args, out: Path) -> None: ...  # traces, plots, memory tables
+
+
+class SerialRunner:
+    """One process holds the whole model: forward, backward, done."""
+
+    is_main = True
+
+    def __init__(self, model):
+        self.model = model
+        self.named = [(Placement(name), p) for name, p in model.named_parameters()]
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def forward_backward(self, x, y) -> float:
+        loss = self.model.loss(x, y)
+        loss.backward()
+        return loss.item()
+
+    def clip_gradients(self, max_norm: float) -> float:
+        return clip_grad_norm_(self.parameters(), max_norm)
+
+    def step(self, optimizer) -> None:
+        optimizer.step()
+
+    def share_model(self) -> None:
+        """The model is whole already."""
+
+    def save(self, folder, step: int, optimizer, meta: dict) -> None:
+        pieces, scalars = checkpoint.collect(self.named, optimizer)
+        checkpoint.write_pieces(folder, step, 0, pieces, scalars)
+        checkpoint.commit(folder, step, 1, _shapes(self.model), dict(meta, layout="(serial)"))
+
+    def load(self, reader, optimizer) -> None:
+        checkpoint.restore(reader, self.named, optimizer)
+
+    def finish(self, args, out: Path) -> None:
+        """Nothing to show for a serial run."""
+
+
+class MeshRunner:
+    """Any layout of ``plan`` on the device mesh: ``hybrid.parallelize`` builds this rank's part."""
+
+    def __init__(self, model, plan, batch_size: int):
+        from tinytrain import distributed as dist
+        from tinytrain.parallel.hybrid import parallelize
+
+        dist.init()
+        self.dist, self.model, self.plan = dist, model, plan
+        plan.check(dist.get_world_size(), model.config, batch_size)
+        self.rank, self.is_main = dist.get_rank(), dist.get_rank() == 0
+        if plan.progress == "thread":
+            dist.start_progress_thread()
+        self.parallel = parallelize(model, plan)
+        self.last_memory = None
+
+    def parameters(self):
+        return self.parallel.parameters()
+
+    def forward_backward(self, x, y) -> float:
+        return self.parallel.forward_backward(x, y)
+
+    def clip_gradients(self, max_norm: float) -> float:
+        return self.parallel.clip_grad_norm_(max_norm)
+
+    def step(self, optimizer) -> None:
+        self.last_memory = self.parallel.memory()  # gradients exist now: the peak of the step
+        self.parallel.step(optimizer)
+
+    def share_model(self) -> None:
+        self.parallel.gather_model()
+
+    def save(self, folder, step: int, optimizer, meta: dict) -> None:
+        pieces, scalars = self.parallel.checkpoint_pieces(optimizer)
+        checkpoint.write_pieces(folder, step, self.rank, pieces, scalars)
+        self.dist.barrier()  # every rank's pieces are on disk before the manifest names them
+        if self.is_main:
+            checkpoint.commit(folder, step, self.dist.get_world_size(), _shapes(self.model),
+                              dict(meta, layout=self.plan.flags()))
+        self.dist.barrier()
+
+    def load(self, reader, optimizer) -> None:
+        self.parallel.load_checkpoint(reader, optimizer)
+
+    def finish(self, args, out: Path) -> None:
+        from tinytrain import trace
+
+        self.dist.stop_progress_thread()
+        if args.trace or args.plot:
+            spans = trace.merge()
+            if self.is_main and args.trace:
+                trace.write_chrome(args.trace, spans)
+                print(f"wrote the Chrome trace {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+            if self.is_main and args.plot and self.plan.pp > 1:
+                from tinytrain.trainer.plots import plot_last_pipeline_step
+
+                plot_last_pipeline_step(spans, self.plan, args, out)
+        if self.last_memory is not None:
+            self.print_memory()
+
+    def print_memory(self) -> None:
+        """ZeRO: each rank's bytes of parameters, gradients and optimizer state (rank 0 prints)."""
+        from tinytrain.backend import xp
+
+        keys = ("params", "grads", "optimizer")
+        mine = xp.asarray([[self.last_memory[k] for k in keys] + [self.last_memory["gathered_peak"]]], dtype=xp.int64)
+        rows = self.dist.all_gather(mine)
+        if not self.is_main:
+            return
+        zero = self.parallel.zero
+        psi = sum(p.size for p in self.model.parameters() if p.requires_grad)
+        full = [4 * psi, 4 * psi, zero.optimizer_bytes_per_element() * psi]
+
+        def mb(b):
+            return f"{b / 2**20:9.3f}"
+
+        lines = [f"ZeRO-{zero.stage} memory per rank (MiB), Ψ = {psi:,} trainable parameters:",
+                 f"{'':10}{'params':>10}{'grads':>10}{'optimizer':>10}{'total':>10}{'gathered':>10}"]
+        for r, row in enumerate(rows.tolist()):
+            lines.append(f"rank {r:<5}{mb(row[0])} {mb(row[1])} {mb(row[2])} {mb(sum(row[:3]))} {mb(row[3])}")
+        lines.append(f"{'unsharded':10}{mb(full[0])} {mb(full[1])} {mb(full[2])} {mb(sum(full))}")
+        print("\n".join(lines), file=sys.stderr)
+
+
+def _shapes(model) -> dict:
+    return {name: p.shape for name, p in model.named_parameters()}
+
+
+def make_runner(model, plan, batch_size: int):
+    """The serial runner for one rank without parallel flags, else the mesh runner."""
+    if plan.is_serial:
+        plan.check(1, model.config, batch_size)
+        return SerialRunner(model)
+    return MeshRunner(model, plan, batch_size)
