@@ -1,7 +1,7 @@
 """The rubric (``grader/rubric.toml``) and where things are: one place every grader tool reads.
 
-An *assignment* is a reference file of the framework with its solution regions cut out; a *task*
-is one region (or a few) with a title and points. Task ids are ``"<assignment>.<k>"``, so task
+An *assignment* is a reference file of the framework (or the files of a reference package) with
+its solution regions cut out; a *task* is one region (or a few) with a title and points. Task ids are ``"<assignment>.<k>"``, so task
 "1.3" belongs to assignment 1.
 """
 
@@ -37,23 +37,75 @@ class Task:
 
 @dataclass(frozen=True)
 class Assignment:
+    """One assignment: reference file(s) of the framework and the assignment file(s) made from them.
+
+    Most assignments are one file. A chapter split into several files (a package, like
+    ``tinytrain/parallel/tensor_parallel/``) is an assignment of several files, paired in order:
+    ``references[i]`` becomes ``files[i]``; the first pair is the packages' ``__init__.py``, so
+    ``impl.<name>`` is the package and exposes the same names as the reference package.
+    """
+
     id: str
     title: str
     name: str  # attribute of the impl fixture: impl.<name>
-    reference: str  # path of the reference file, relative to the repository root
-    file: str  # path of the generated assignment file
+    references: tuple[str, ...]  # paths of the reference files, relative to the repository root
+    files: tuple[str, ...]  # paths of the generated assignment files, in the same order
     handout: str = ""
     reference_tests: tuple[str, ...] = ()
     tasks: tuple[Task, ...] = field(default=())
 
     @property
+    def pairs(self) -> tuple[tuple[str, str], ...]:
+        """(reference file, assignment file) for every file of the assignment."""
+        return tuple(zip(self.references, self.files))
+
+    @property
+    def reference(self) -> str:
+        """The reference: its one file, or the folder of its package."""
+        return _entry(self.references)
+
+    @property
+    def file(self) -> str:
+        """The assignment: its one file, or the folder of its package."""
+        return _entry(self.files)
+
+    @property
     def reference_module(self) -> str:
-        """Dotted module name of the reference file (tinytrain/x/y.py -> tinytrain.x.y)."""
-        return self.reference[: -len(".py")].replace("/", ".")
+        """Dotted module name of the reference (tinytrain/x/y.py -> tinytrain.x.y; a package's folder)."""
+        return module_name(self.reference)
 
     @property
     def module(self) -> str:
-        return self.file[: -len(".py")].replace("/", ".")
+        return module_name(self.file)
+
+    @property
+    def renames(self) -> dict[str, str]:
+        """Reference module -> assignment module, for every file (and the package) of the assignment."""
+        pairs = [(self.reference, self.file), *self.pairs]
+        return {module_name(ref): module_name(own) for ref, own in pairs}
+
+
+def _entry(paths: tuple[str, ...]) -> str:
+    return paths[0] if len(paths) == 1 else paths[0].rpartition("/")[0]
+
+
+def module_name(path: str) -> str:
+    """tinytrain/x/y.py -> tinytrain.x.y; tinytrain/x/__init__.py and the folder tinytrain/x -> tinytrain.x"""
+    return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def _paths(entry, key: str, where: str) -> tuple[str, ...]:
+    """A rubric's ``reference``/``file``: one path, or a list of a package's files, __init__.py first."""
+    paths = (entry,) if isinstance(entry, str) else tuple(entry)
+    if not paths or not all(isinstance(p, str) and p.endswith(".py") for p in paths):
+        raise ValueError(f"{where}: {key} must be a .py path or a list of them, got {entry!r}")
+    if len(paths) > 1:
+        package = paths[0].removesuffix("/__init__.py")
+        if not paths[0].endswith("/__init__.py") or not all(p.startswith(package + "/") for p in paths):
+            raise ValueError(f"{where}: a {key} of several files is a package: list its __init__.py first, "
+                             f"then its other files ({paths[0]} is not a __init__.py, or a file is outside "
+                             f"{package}/)")
+    return paths
 
 
 @dataclass(frozen=True)
@@ -95,8 +147,13 @@ def load_rubric(path: Path = RUBRIC) -> Rubric:
         if missing:
             raise ValueError(f"{path}: [assignment.{aid}] is missing {', '.join(missing)}")
         own = tuple(t for t in tasks.values() if t.assignment == aid)
+        where = f"{path}: [assignment.{aid}]"
+        references, files = _paths(entry["reference"], "reference", where), _paths(entry["file"], "file", where)
+        if len(references) != len(files):
+            raise ValueError(f"{where}: {len(references)} reference files but {len(files)} assignment files; "
+                             "list one assignment file for each reference file, in the same order")
         assignments[aid] = Assignment(
-            aid, entry["title"], entry["name"], entry["reference"], entry["file"],
+            aid, entry["title"], entry["name"], references, files,
             entry.get("handout", ""), tuple(entry.get("reference_tests", ())), own,
         )
     orphans = [t.id for t in tasks.values() if t.assignment not in assignments]

@@ -1,6 +1,6 @@
 """Refuse an assignment file that borrows the solution instead of writing it.
 
-An assignment replaces a reference module. If it imports that module (or the names the package
+An assignment replaces a reference module (or package). If it imports that module (or the names the package
 re-exports from it, or reaches it by ``importlib``), or calls MPI's own collectives, it could pass
 every graded test without containing a collective of its own. This check reads the file's syntax
 tree (nothing is imported or run) and says what to remove.
@@ -38,13 +38,30 @@ def _defined_names(tree: ast.Module) -> set[str]:
 
 
 def problems(a: Assignment, root: Path = ROOT, path: Path | None = None) -> list[str]:
-    """What in the assignment file reaches the reference solution, one line each ("" if nothing)."""
+    """What in the assignment reaches the reference solution, one line each (empty if nothing).
+
+    ``path``: the assignment's file, or for an assignment of several files its package folder
+    (default: the one in ``assignments/``). The files of an assignment package may import each
+    other (``from assignments.a4_tensor_parallel.mappings import ...``), never the reference's."""
     path = path or root / a.file
-    ref_mod = a.reference_module
-    package, _, leaf = ref_mod.rpartition(".")
-    reexported = _defined_names(ast.parse((root / a.reference).read_text())) - {"annotations"}
     if not path.exists():
         return [f"{path} does not exist (`python -m grader stubs` generates it from the reference)"]
+    files = [path] if len(a.files) == 1 else [path / Path(f).relative_to(a.file) for f in a.files]
+    reexported = set().union(*(_defined_names(ast.parse((root / r).read_text())) for r in a.references))
+    found = []
+    for file in files:
+        shown = file.name if file == path else f"{path.name}/{file.relative_to(path)}"
+        if not file.exists():
+            found.append(f"{file} does not exist (`python -m grader stubs` generates it from the reference)")
+            continue
+        found += _file_problems(a, file, shown, reexported - {"annotations"})
+    return found
+
+
+def _file_problems(a: Assignment, path: Path, shown: str, reexported: set[str]) -> list[str]:
+    ref_mod = a.reference_module  # a package's name covers its modules: ref_mod + ".layers"
+    package, _, leaf = ref_mod.rpartition(".")
+    named = {a.reference, *a.references, *a.renames}  # the reference's files and modules, by name
     try:
         tree = ast.parse(path.read_text(), str(path))
     except SyntaxError:
@@ -54,7 +71,7 @@ def problems(a: Assignment, root: Path = ROOT, path: Path | None = None) -> list
     compared = {id(n) for c in ast.walk(tree) if isinstance(c, ast.Compare) for n in [c.left, *c.comparators]}
 
     def bad(node, what):
-        found.append(f"{path.name}:{node.lineno}: {what}")
+        found.append((node.lineno, f"{shown}:{node.lineno}: {what}"))
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -66,7 +83,7 @@ def problems(a: Assignment, root: Path = ROOT, path: Path | None = None) -> list
         elif isinstance(node, ast.ImportFrom) and not node.level:
             mod = node.module or ""
             if mod == ref_mod or mod.startswith(ref_mod + "."):
-                bad(node, f"imports from {ref_mod}, the reference this assignment replaces")
+                bad(node, f"imports from {mod}, the reference this assignment replaces")
             elif mod == package:
                 for al in node.names:
                     if al.name == leaf:
@@ -77,8 +94,7 @@ def problems(a: Assignment, root: Path = ROOT, path: Path | None = None) -> list
                 for al in node.names:
                     if ".".join(filter(None, [mod, al.name])) == package:
                         aliases.add(al.asname or al.name)
-        elif (isinstance(node, ast.Constant) and node.value in (ref_mod, a.reference)
-              and id(node) not in compared):
+        elif isinstance(node, ast.Constant) and node.value in named and id(node) not in compared:
             bad(node, f"names the reference module {node.value!r} (to import it by name?)")
         elif isinstance(node, ast.Attribute) and node.attr in MPI_COLLECTIVES:
             bad(node, f"calls MPI's own collective .{node.attr}(); write it from point-to-point messages")
@@ -86,7 +102,7 @@ def problems(a: Assignment, root: Path = ROOT, path: Path | None = None) -> list
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                 and node.value.id in aliases and (node.attr == leaf or node.attr in reexported)):
             bad(node, f"uses {node.value.id}.{node.attr} from {package}, which is the reference's")
-    return sorted(set(found), key=lambda s: int(s.split(":")[1]))
+    return [text for _, text in sorted(set(found))]
 
 
 def check(a: Assignment, root: Path = ROOT, path: Path | None = None) -> None:

@@ -9,9 +9,11 @@ Loaded by the root ``conftest.py`` next to the MPI harness (``grader/mpi_plugin.
           out = impl.collectives.reduce_scatter(x)
 
   ``impl.collectives`` is the reference module (``tinytrain.distributed.collectives``) or the
-  student's assignment file (``assignments/a1_collectives.py``); the test runs once for each,
-  as ``--impl reference|assignments|all`` says (default ``all``; ``assignments`` in a student
-  release). Names come from ``grader/rubric.toml`` (``name = "collectives"``).
+  student's assignment file (``assignments/a1_collectives.py``); for an assignment of several
+  files, the reference package (``tinytrain.parallel.tensor_parallel``) or the assignment package
+  (``assignments/a4_tensor_parallel/``), whose ``__init__.py`` exposes the same names. The test
+  runs once for each, as ``--impl reference|assignments|all`` says (default ``all``;
+  ``assignments`` in a student release). Names come from ``grader/rubric.toml`` (``name = "collectives"``).
 * **TODO is a skip.** A stub raises ``NotImplementedError("TODO 1.1: ...")``; the test is then
   reported as skipped with that reason (0 points), not as a crash. Every rank runs the same stub,
   so every rank skips, and the harness (which only forwards failures) agrees.
@@ -20,7 +22,8 @@ Loaded by the root ``conftest.py`` next to the MPI harness (``grader/mpi_plugin.
 * ``--grader-log FILE`` -- rank 0 appends one JSON line per event (collected, start, done with the
   agreed outcome): how ``python -m grader`` follows a run and survives a crash in it.
 * ``--assignments DIR`` -- load assignment files from DIR instead of ``assignments/`` (the
-  grader's own tests grade planted-bug copies this way).
+  grader's own tests grade planted-bug copies this way): ``DIR/a1_collectives.py``, and an
+  assignment package as a folder, ``DIR/a4_tensor_parallel/``.
 * In a student release, the tests of reference solutions that were removed
   (``reference_tests`` in the rubric) are skipped.
 """
@@ -33,11 +36,12 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
-from .config import ROOT, is_release, load_rubric
 from . import guard
+from .config import ROOT, is_release, load_rubric
 
 _rubric = load_rubric()
 
@@ -69,7 +73,7 @@ def impl_kinds(config) -> list[str]:
 class Impl:
     """The implementations a graded test runs against: ``impl.collectives`` is a module."""
 
-    _cache: dict[tuple[str, str], object] = {}
+    _cache: ClassVar[dict[tuple[str, str], object]] = {}
 
     def __init__(self, kind: str, assignments_dir: str | None):
         self.kind, self._dir = kind, assignments_dir
@@ -97,12 +101,28 @@ class Impl:
             pytest.fail(guard.refusal(a, refused), pytrace=False)
         if not self._dir:
             return importlib.import_module(a.module)
+        if len(a.files) > 1:
+            return _load_package(a, path)
         name = f"_graded_{a.name}_{abs(hash(str(path)))}"
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
         return module
+
+
+def _load_package(a, folder: Path):
+    """An assignment package from ``folder``, imported under its own name (``a.module``): its files
+    import each other absolutely (``assignments.a4_tensor_parallel.layers``), and those imports
+    must find this copy, so it replaces any other copy of the package in ``sys.modules``."""
+    for loaded in [m for m in sys.modules if m == a.module or m.startswith(a.module + ".")]:
+        del sys.modules[loaded]
+    spec = importlib.util.spec_from_file_location(a.module, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[a.module] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def pytest_generate_tests(metafunc):
@@ -172,7 +192,7 @@ def pytest_runtest_makereport(item, call):
 
 class _Log:
     def __init__(self, path: str):
-        self.file = open(path, "a", buffering=1)
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the whole session
         self.reports: dict[str, list] = {}
 
     def write(self, **event) -> None:

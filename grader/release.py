@@ -4,9 +4,9 @@ What the copy holds:
 
 * every git-tracked file, except those under ``[release] exclude`` of the rubric (the grader's own
   tests, which plant bugs into the solution and so would show it);
-* each reference file of an assignment with its solution regions replaced by the same stubs as
-  the assignment file (the framework then uses its stand-ins, see "Stand-ins" in
-  ``tinytrain/distributed/collectives.py``);
+* each reference file of an assignment (every file of a reference package) with its solution
+  regions replaced by the same stubs as the assignment file (the framework then uses its
+  stand-ins, see "Stand-ins" in ``tinytrain/distributed/collectives.py``);
 * ``grader/RELEASE``, which makes ``--impl`` default to ``assignments`` and skips the tests of
   the removed reference solutions.
 
@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .config import ROOT, RELEASE_MARKER, is_release, load_rubric
+from .config import RELEASE_MARKER, ROOT, is_release, load_rubric
 from .stubs import BEGIN, released_reference_text
 
 RELEASE_NOTE = """This is a student copy of tinytrain, made by `python -m grader release`.
@@ -43,7 +43,7 @@ def make_release(out: Path, root: Path = ROOT) -> list[str]:
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new folder")
     exclude = tuple(load_release_excludes(root))
-    references = {a.reference: a for a in rubric.assignments.values()}
+    references = {ref: a for a in rubric.assignments.values() for ref in a.references}  # every file of a package
     written = []
     for rel in tracked_files(root):
         if rel.startswith(exclude) or not (root / rel).is_file():
@@ -51,7 +51,7 @@ def make_release(out: Path, root: Path = ROOT) -> list[str]:
         dest = out / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         if rel in references:
-            dest.write_text(released_reference_text(references[rel], root))
+            dest.write_text(released_reference_text(references[rel], root, reference=rel))
         else:
             shutil.copy2(root / rel, dest)
         # (grader/ itself only shows markers as examples)

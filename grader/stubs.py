@@ -13,7 +13,10 @@ From the reference, this module makes three texts:
 * the **assignment** (``python -m grader stubs`` writes it): each region becomes
   ``raise NotImplementedError("TODO 1.2: <hint>")`` at the region's indentation, relative imports
   become absolute ``tinytrain...`` imports (the assignment lives in ``assignments/``), and a header
-  says where it came from. Signatures and docstrings are outside the regions, so they stay.
+  says where it came from. An assignment of several files (a reference package) becomes an
+  assignment package: each file's imports of its sibling reference files become imports of the
+  sibling assignment files (``tinytrain.parallel.tensor_parallel.layers`` ->
+  ``assignments.a4_tensor_parallel.layers``), so the stubs import each other, never the reference. Signatures and docstrings are outside the regions, so they stay.
 * the **released reference** (``python -m grader release``): the same stubs, imports untouched.
 * the **solved assignment**: markers dropped, solutions kept, imports absolute. The grader's own
   tests plant bugs in it to check that the grader notices them.
@@ -98,27 +101,38 @@ def _replace_regions(lines: list[str], regions: list[Region], keep_solution: boo
     return out + lines[i:]
 
 
-def _absolute_imports(lines: list[str], text: str, module: str) -> list[str]:
-    """Rewrite ``from .x import y`` in ``module``'s source as ``from <package>.x import y``."""
-    package = module.split(".")
+def _absolute_imports(lines: list[str], text: str, module: str, renames: dict[str, str] | None = None) -> list[str]:
+    """Rewrite ``from .x import y`` in ``module``'s source as ``from <package>.x import y``, and
+    imports of the modules in ``renames`` (an assignment's other reference files) as imports of
+    their assignment modules, so the assignment's files import each other, never the reference."""
+    package, renames = module.split("."), renames or {}
     edits = []
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.ImportFrom) and node.level:
             base = package[: len(package) - node.level]
             target = ".".join(base + ([node.module] if node.module else []))
+            target = renames.get(target, target)
             names = ", ".join(a.name + (f" as {a.asname}" if a.asname else "") for a in node.names)
             indent = re.match(r"[ \t]*", lines[node.lineno - 1]).group(0)
             edits.append((node.lineno - 1, node.end_lineno, f"{indent}from {target} import {names}"))
+        elif isinstance(node, ast.ImportFrom) and node.module in renames:
+            first = lines[node.lineno - 1]  # keep the layout: only the module's name changes
+            new = first.replace(f"from {node.module} import", f"from {renames[node.module]} import", 1)
+            edits.append((node.lineno - 1, node.lineno, new))
+        elif isinstance(node, ast.Import) and any(a.name in renames for a in node.names):
+            names = ", ".join(renames.get(a.name, a.name) + (f" as {a.asname}" if a.asname else "") for a in node.names)
+            indent = re.match(r"[ \t]*", lines[node.lineno - 1]).group(0)
+            edits.append((node.lineno - 1, node.end_lineno, f"{indent}import {names}"))
     for start, stop, new in sorted(edits, reverse=True):
         lines[start:stop] = [new]
     return lines
 
 
-def _header(a: Assignment) -> list[str]:
+def _header(a: Assignment, reference: str) -> list[str]:
     handout = f" (handout: {a.handout})" if a.handout else ""
     return [
         f"# Assignment {a.id}: {a.title}{handout}.",
-        f"# Generated from {a.reference} by `python -m grader stubs`. Replace each",
+        f"# Generated from {reference} by `python -m grader stubs`. Replace each",
         "# `raise NotImplementedError(\"TODO ...\")` with your code; grade it with `python -m grader`.",
         "",
     ]
@@ -133,25 +147,38 @@ def _check_tasks(regions: list[Region], a: Assignment, rubric: Rubric, path: str
                               f"{rubric.tasks[r.task].assignment}, but this file is assignment {a.id}'s reference")
 
 
-def assignment_text(a: Assignment, rubric: Rubric, root: Path = ROOT, solved: bool = False) -> str:
-    """The assignment file generated from ``a``'s reference (with solutions kept if ``solved``)."""
-    text = (root / a.reference).read_text()
-    regions = find_regions(text, a.reference)
-    if not regions:
+def assignment_texts(a: Assignment, rubric: Rubric, root: Path = ROOT, solved: bool = False) -> dict[str, str]:
+    """Assignment file -> its text, generated from its reference (with solutions kept if ``solved``)."""
+    out, found = {}, 0
+    for reference, file in a.pairs:
+        text = (root / reference).read_text()
+        regions = find_regions(text, reference)
+        _check_tasks(regions, a, rubric, reference)
+        found += len(regions)
+        lines = _replace_regions(text.splitlines(), regions, keep_solution=solved)
+        body = "\n".join(lines) + "\n"
+        lines = _absolute_imports(body.splitlines(), body, reference.removesuffix(".py").replace("/", "."), a.renames)
+        out[file] = "\n".join(_header(a, reference) + lines) + "\n"
+        ast.parse(out[file], file)  # a generated file that does not parse is a bug here, not the student's
+    if not found:
         raise MarkerError(f"{a.reference}: no BEGIN SOLUTION regions, so there is nothing to hand out")
-    _check_tasks(regions, a, rubric, a.reference)
-    lines = _replace_regions(text.splitlines(), regions, keep_solution=solved)
-    body = "\n".join(lines) + "\n"
-    lines = _absolute_imports(body.splitlines(), body, a.reference_module)
-    out = "\n".join(_header(a) + lines) + "\n"
-    ast.parse(out, a.file)  # a generated file that does not parse is a bug here, not the student's
     return out
 
 
-def released_reference_text(a: Assignment, root: Path = ROOT) -> str:
-    """The reference file as a student release ships it: regions stubbed, nothing else changed."""
-    text = (root / a.reference).read_text()
-    lines = _replace_regions(text.splitlines(), find_regions(text, a.reference), keep_solution=False)
+def assignment_text(a: Assignment, rubric: Rubric, root: Path = ROOT, solved: bool = False,
+                    file: str | None = None) -> str:
+    """The text of one assignment file: ``file``, or the only file of a one-file assignment."""
+    texts = assignment_texts(a, rubric, root, solved)
+    if file is None and len(texts) > 1:
+        raise ValueError(f"assignment {a.id} has {len(texts)} files; say which: file={', '.join(texts)}")
+    return texts[file or a.files[0]]
+
+
+def released_reference_text(a: Assignment, root: Path = ROOT, reference: str | None = None) -> str:
+    """A reference file as a student release ships it: regions stubbed, nothing else changed."""
+    reference = reference or a.references[0]
+    text = (root / reference).read_text()
+    lines = _replace_regions(text.splitlines(), find_regions(text, reference), keep_solution=False)
     return "\n".join(lines) + "\n"
 
 
@@ -160,16 +187,17 @@ def write_stubs(root: Path = ROOT, check: bool = False) -> tuple[list[str], str]
     rubric = load_rubric(root / "grader" / "rubric.toml")
     stale, diffs = [], []
     for a in rubric.assignments.values():
-        want = assignment_text(a, rubric, root)
-        path = root / a.file
-        have = path.read_text() if path.exists() else ""
-        if have == want:
-            continue
-        stale.append(a.file)
-        diffs += difflib.unified_diff(have.splitlines(True), want.splitlines(True),
-                                      f"{a.file} (checked in)", f"{a.file} (generated from {a.reference})")
-        if not check:
-            path.write_text(want)
+        for (reference, file), want in zip(a.pairs, assignment_texts(a, rubric, root).values()):
+            path = root / file
+            have = path.read_text() if path.exists() else ""
+            if have == want:
+                continue
+            stale.append(file)
+            diffs += difflib.unified_diff(have.splitlines(True), want.splitlines(True),
+                                          f"{file} (checked in)", f"{file} (generated from {reference})")
+            if not check:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(want)
     return stale, "".join(diffs)
 
 

@@ -19,19 +19,21 @@ import pytest
 from grader import guard
 from grader.config import ROOT, is_release, load_rubric
 from grader.run import mpi_environment
-from grader.stubs import assignment_text
+from grader.stubs import assignment_text, assignment_texts
 
 pytestmark = pytest.mark.skipif(is_release(), reason="grader self-tests need the reference solution (not in a student copy)")
 
 RUBRIC = load_rubric()
 A1 = RUBRIC.assignments["1"]
+A4 = RUBRIC.by_name("tensor_parallel")  # an assignment of several files: a package
 
 
 def grade(tmp: Path, *args: str, timeout: float = 240) -> tuple[dict, str]:
     """Run ``python -m grader`` and return (results.json, printed output)."""
     out = tmp / "out"
     cmd = [sys.executable, "-m", "grader", "--out", str(out), "--comm-timeout", "4", "--timeout", "40", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_environment(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_environment(), capture_output=True, text=True, timeout=timeout,
+                          check=False)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"the grader itself failed (status {proc.returncode}):\n{text}"
     return json.loads((out / "results.json").read_text()), text
@@ -186,3 +188,29 @@ def test_syntax_error_in_the_assignment_fails_its_tasks_with_the_line(tmp_path):
     row = by_task(results)["1.5"]
     assert row["status"] == "failed" and "SyntaxError" in row["output"] and "a1_collectives.py" in row["output"], out
     assert "SyntaxError" in out and "line " in out  # the table's one line names it too
+
+
+def package_copy(tmp: Path, solved: bool) -> Path:
+    """A folder holding assignment 4's package (``a4_tensor_parallel/``), solved or as stubs."""
+    folder = tmp / "package"
+    for file, text in assignment_texts(A4, RUBRIC, solved=solved).items():
+        path = folder / Path(A4.file).name / Path(file).relative_to(A4.file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return folder
+
+
+def test_guard_checks_every_file_of_a_package_but_lets_them_import_each_other(tmp_path):
+    package = package_copy(tmp_path, solved=False) / Path(A4.file).name
+    assert guard.problems(A4, path=package) == []
+    layers = package / "layers.py"
+    layers.write_text(layers.read_text() + "\nfrom tinytrain.parallel.tensor_parallel.mappings import my_piece\n")
+    found = guard.problems(A4, path=package)
+    assert len(found) == 1 and found[0].startswith("a4_tensor_parallel/layers.py:"), found
+    assert "imports from tinytrain.parallel.tensor_parallel.mappings" in found[0], found
+
+
+def test_solved_package_assignment_from_a_folder_scores_full_marks(tmp_path):
+    """The folder's package is graded, not the stubs in assignments/ (its files import each other)."""
+    results, text = grade(tmp_path, "--assignments", str(package_copy(tmp_path, solved=True)), "--tasks", "4.1,4.2")
+    assert results["score"] == results["max_score"] == 40, text

@@ -1,0 +1,53 @@
+# Assignment 4: Tensor and sequence parallel (handout: assignments/a4_tensor_parallel.md).
+# Generated from tinytrain/parallel/tensor_parallel/cross_entropy.py by `python -m grader stubs`. Replace each
+# `raise NotImplementedError("TODO ...")` with your code; grade it with `python -m grader`.
+
+"""Vocab-parallel cross-entropy: the loss of logits split along the vocabulary, never gathered.
+
+The tied head is column-parallel, so rank r holds the logits of its vocabulary slice only::
+
+    rank r:  logits_r (N, V/t) = columns [r·V/t, (r+1)·V/t) of the full (N, V) logits
+
+    loss_i = log Σ_v exp(z_iv) − z_i,target
+           = log(Σ_r Σ_{v in r} exp(z_iv − m_i)) + m_i − z_i,target,   m_i = max_v z_iv
+
+    forward   all-reduce(max)  of N row maxes            m_i on every rank
+              all-reduce(sum)  of N local Σ exp(z − m)   the softmax denominator
+              all-reduce(sum)  of N target logits        the owner sends z_i,target, others 0
+    backward  local: d loss / d logits_r = softmax_r − onehot_r(target)   (no talk)
+
+Three all-reduces of N numbers instead of an all-gather of N·V logits: the memory and bytes of
+the full logits never appear, which is why Megatron fuses the loss into the vocabulary split.
+"""
+
+from __future__ import annotations
+
+from tinytrain import distributed as dist
+from tinytrain.autograd import Function, Tensor
+from tinytrain.backend import xp
+
+# --- 4.4 vocab-parallel cross-entropy --------------------------------------------------------------
+
+
+class VocabParallelCrossEntropy(Function):
+    """Cross-entropy of logits split along the vocabulary, without building the full logits.
+
+    logits_r (N, V/t) on rank r. log-sum-exp needs the global max and the global sum of exp:
+    two all-reduces of N numbers (max, then sum); the target's logit lives on one rank, so a third
+    all-reduce (sum, zeros elsewhere) brings it to all. Backward is local: softmax_r - onehot_r.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_start, ignore_index=-100, denominator=None):
+        raise NotImplementedError("TODO 4.4: all_reduce max of row maxes, all_reduce sum of exp, all_reduce the target logit; keep probs for backward.")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("TODO 4.4: d/dlogits_r = (probs_r - onehot_r(target)) · valid · grad / denom; no talk.")
+
+
+def vocab_parallel_cross_entropy(logits, targets, group, vocab_start, ignore_index=-100, denominator=None):
+    """Mean NLL of ``targets`` (over the non-ignored ones, or divided by ``denominator``)."""
+    targets = xp.asarray(targets.data if isinstance(targets, Tensor) else targets)
+    return VocabParallelCrossEntropy.apply(logits, targets, group=group, vocab_start=vocab_start,
+                                           ignore_index=ignore_index, denominator=denominator)

@@ -1,0 +1,157 @@
+# Assignment 4: Tensor and sequence parallel (handout: assignments/a4_tensor_parallel.md).
+# Generated from tinytrain/parallel/tensor_parallel/mappings.py by `python -m grader stubs`. Replace each
+# `raise NotImplementedError("TODO ...")` with your code; grade it with `python -m grader`.
+
+"""Region mappings: where activations enter and leave a tensor-parallel region, as autograd Functions.
+
+A parallel region is code where each of the t ranks of the TP group works on its own shard of the
+weights. Its edges are the only places ranks talk, and each edge is a pair of collectives: one in
+the forward pass and its transpose in the backward pass. (x: (B, T, C); t ranks; r: my rank.)
+
+Tensor parallel (activations between regions are whole and the same on every rank)::
+
+    function           forward                              backward
+    CopyToRegion       identity        x ─► x               all-reduce  (my dx is a partial sum)
+    ReduceFromRegion   all-reduce      Σ_r y_r ─► y         identity    (every y_r fed the sum)
+    GatherFromRegion   all-gather(-1)  (..,C/t) ─► (..,C)   keep my piece of the last axis
+    ScatterToRegion    keep my piece   (..,C) ─► (..,C/t)   all-gather(-1)
+
+Sequence parallel (between regions each rank holds a sequence shard x_r: (B, T/t, C))::
+
+    GatherFromSequenceRegion       all-gather(T)      (B,T/t,C) ─► (B,T,C)   reduce-scatter(T)
+    ReduceScatterToSequenceRegion  reduce-scatter(T)  (B,T,C) partial ─► (B,T/t,C) summed
+                                                                             all-gather(T)
+    ScatterToSequenceRegion        keep my T/t        (B,T,C) ─► (B,T/t,C)   all-gather(T)
+
+Why an all-reduce splits into these two: an all-reduce *is* a reduce-scatter followed by an
+all-gather, so SP moves the same bytes, 2·(t-1)/t·B·T·C·4 per all-reduce (ring), and keeps the
+work between regions (LayerNorm, dropout, residual add) on 1/t of the tokens.
+
+Our collectives (``tinytrain.distributed``) work along axis 0; the helpers below move the split
+axis to the front and back, and never change an array that autograd still holds.
+"""
+
+from __future__ import annotations
+
+from tinytrain import distributed as dist
+from tinytrain.autograd import Function
+from tinytrain.backend import xp
+
+# --- collectives along an axis -------------------------------------------------------------------
+
+
+def all_reduce_copy(arr, group):
+    """The sum over the group of ``arr``, in a new array (ring: the textbook 2(t-1)/t bytes)."""
+    out = xp.ascontiguousarray(arr).copy()  # never change an array autograd still holds
+    return dist.all_reduce(out, group=group, algo="ring")
+
+
+def all_gather_along(arr, axis, group):
+    """The group's pieces concatenated along ``axis`` (in rank order)."""
+    front = xp.ascontiguousarray(xp.moveaxis(arr, axis, 0))
+    return xp.moveaxis(dist.all_gather(front, group=group), 0, axis)
+
+
+def reduce_scatter_along(arr, axis, group):
+    """My piece along ``axis`` of the sum over the group."""
+    front = xp.ascontiguousarray(xp.moveaxis(arr, axis, 0))
+    return xp.moveaxis(dist.reduce_scatter(front, group=group), 0, axis)
+
+
+def my_piece(arr, axis, group):
+    """My rank's 1/t of ``arr`` along ``axis``, contiguous."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    size = arr.shape[axis] // n
+    index = [slice(None)] * arr.ndim
+    index[axis] = slice(r * size, (r + 1) * size)
+    return xp.ascontiguousarray(arr[tuple(index)])
+
+
+# --- 4.1 tensor-parallel regions -----------------------------------------------------------------
+
+
+class CopyToRegion(Function):
+    """Enter a tensor-parallel region: identity forward; backward all-reduces the partial dx."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        raise NotImplementedError("TODO 4.1: Forward: nothing to do. Remember the group for backward.")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("TODO 4.1: Each rank's dx covers only its columns' paths: sum them (all-reduce).")
+
+
+class ReduceFromRegion(Function):
+    """Leave a row-parallel region: all-reduce the partial sums forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        raise NotImplementedError("TODO 4.1: Sum the t partial outputs (all-reduce a copy).")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("TODO 4.1: Every rank's partial output fed the whole sum: it gets the whole gradient.")
+
+
+class GatherFromRegion(Function):
+    """Column outputs to a whole tensor: all-gather along the last axis; backward keeps my piece."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        raise NotImplementedError("TODO 4.1: All-gather along axis -1 (all_gather_along moves it to the front).")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("TODO 4.1: Only my columns came from me: keep my piece of the last axis.")
+
+
+class ScatterToRegion(Function):
+    """Whole tensor to my piece of the last axis; backward all-gathers the pieces' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        raise NotImplementedError("TODO 4.1: Keep my piece of the last axis.")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("TODO 4.1: Each piece's gradient is on its rank: all-gather them along axis -1.")
+
+
+# --- 4.5 sequence-parallel regions -----------------------------------------------------------------
+
+
+class GatherFromSequenceRegion(Function):
+    """SP: sequence shards (B, T/t, C) to (B, T, C) by all-gather; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        raise NotImplementedError("TODO 4.5: All-gather along the sequence axis 1.")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("TODO 4.5: Every rank's grad is partial (its columns): reduce-scatter along axis 1.")
+
+
+class ReduceScatterToSequenceRegion(Function):
+    """SP: partial sums (B, T, C) to my summed shard (B, T/t, C); backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        raise NotImplementedError("TODO 4.5: Reduce-scatter along the sequence axis 1.")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("TODO 4.5: Every partial sum needs the whole gradient: all-gather along axis 1.")
+
+
+class ScatterToSequenceRegion(Function):
+    """SP, after the embedding: keep my sequence shard; backward all-gathers (no sum needed)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        raise NotImplementedError("TODO 4.5: Keep my piece of the sequence axis 1.")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("TODO 4.5: All-gather the pieces' gradients along axis 1.")

@@ -1,0 +1,127 @@
+# Assignment 4: Tensor and sequence parallel (handout: assignments/a4_tensor_parallel.md).
+# Generated from tinytrain/parallel/tensor_parallel/model.py by `python -m grader stubs`. Replace each
+# `raise NotImplementedError("TODO ...")` with your code; grade it with `python -m grader`.
+
+"""The whole GPT, tensor parallel: the serial model's layers swapped for their parallel shards.
+
+Who holds what, and where ranks talk (t ranks in the TP group; SP: sequence parallel)::
+
+    ids (B, T), the same on every rank
+     │
+     ├─ wte: VocabParallelEmbedding     my V/t rows; all-reduce of the t lookups
+     ├─ + wpe (replicated)
+     ├─ SP only: ScatterToSequenceRegion  keep my T/t positions   (bwd: all-gather)
+     ├─ dropout ("drop")                the serial mask, my piece of it
+     │
+     ├─ ParallelBlock × n_layer         per block: attention and MLP, each one region
+     │                                  (TP: 2 all-reduces fwd + 2 bwd; SP: the same bytes as
+     │                                   all-gathers and reduce-scatters)
+     ├─ ln_f (replicated)
+     ├─ enter (copy / all-gather T), then x @ wte_rᵀ: my V/t columns of the logits (tied head)
+     └─ vocab_parallel_cross_entropy    3 all-reduces of B·T numbers; backward local
+
+After backward, ``sync_sequence_parallel_grads`` sums the partial gradients of the replicated
+weights over the group (SP only: each rank saw only its tokens). ``shards()`` lists every
+parameter's :class:`Shard`; ``write_into`` all-gathers them back into a serial model.
+"""
+
+from __future__ import annotations
+
+from tinytrain import distributed as dist
+from tinytrain import functional as F
+from tinytrain.backend import xp
+from tinytrain.nn.module import ModuleList
+from assignments.a4_tensor_parallel.cross_entropy import (
+    vocab_parallel_cross_entropy,
+)
+from assignments.a4_tensor_parallel.layers import (
+    Parallel,
+    ParallelBlock,
+    ReplicatedLayerNorm,
+    VocabParallelEmbedding,
+    replicate,
+    split_size,
+)
+from assignments.a4_tensor_parallel.mappings import (
+    ScatterToSequenceRegion,
+    all_gather_along,
+)
+
+
+class TensorParallelGPT(Parallel):
+    """A serial ``GPT`` split over ``group``: ``loss(ids, targets)`` equals the serial loss.
+
+    ``rows``: (first row, global batch) when a data-parallel replica holds only some rows of the
+    global batch, so dropout cuts the serial mask's rows too."""
+
+    def __init__(self, model, group, sequence_parallel=False, rows=None):
+        super().__init__(group, sequence_parallel)
+        config = model.config
+        if config.n_experts or not config.tie_weights:
+            raise ValueError("tensor_parallel_gpt supports the plain GPT with tied weights: "
+                             "use n_experts=0, tie_weights=True")
+        self.config = config
+        self.wte = VocabParallelEmbedding(model.wte, group)
+        self.keep("wpe", replicate(model.wpe.weight, "wpe.weight"))
+        self.blocks = ModuleList(ParallelBlock(b, group, f"blocks.{i}", sequence_parallel)
+                                 for i, b in enumerate(model.blocks))
+        self.ln_f = ReplicatedLayerNorm(model.ln_f, group, "ln_f", sequence_parallel)
+        self.head = None  # the output head is the (vocab-parallel) token embedding, tied
+        self.p, self.dropout_site = config.dropout, "drop"
+        for m in self.modules():
+            m.rows = rows  # every dropout cuts the same rows of the serial mask
+
+    def hidden(self, ids):
+        """The last block's output: (B, T, C), or my sequence shard under SP."""
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def embed(self, ids):
+        """Token plus position embeddings, then dropout: (B, T, C), or my sequence shard under SP."""
+        ids = xp.asarray(ids)
+        T = ids.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        x = self.wte(ids) + F.embedding(xp.arange(T), self.wpe)
+        if self.sequence_parallel:
+            # Megatron fuses the embedding's all-reduce and this split into one reduce-scatter;
+            # we keep them apart so the position embedding is added to whole sequences, as serial.
+            split_size(T, "the sequence length (sequence parallel splits it)", self.group)
+            x = ScatterToSequenceRegion.apply(x, group=self.group)
+        return self.dropout(x, self.p, self.training)
+
+    def logits(self, x):
+        """My vocabulary columns of the logits (B, T, V/t): the tied head is column-parallel."""
+        x = self.ln_f(x)
+        return F.linear(self.enter(x), self.wte.weight.T)
+
+    def forward(self, ids):
+        return self.logits(self.hidden(ids))
+
+    def loss(self, ids, targets, denominator=None):
+        return self.head_loss(self.hidden(ids), targets, denominator)
+
+    def head_loss(self, x, targets, denominator=None):
+        """The loss from the last block's output ``x`` (a pipeline's last stage starts here)."""
+        return vocab_parallel_cross_entropy(self.logits(x), targets, self.group, self.wte.start,
+                                            denominator=denominator)
+
+    def sync_sequence_parallel_grads(self):
+        """Under SP a replicated weight (LayerNorm, row bias) saw only my tokens: sum over the group."""
+        for s in self.shards():
+            if s.partial and s.param.grad is not None:
+                dist.all_reduce(s.param.grad, group=self.group, algo="ring")
+
+    def write_into(self, model):
+        """Gather every shard into the serial ``model`` (every rank ends with the full model)."""
+        serial = dict(model.named_parameters())
+        for s in self.shards():
+            full = s.param.data if s.replicated else all_gather_along(s.param.data, s.axis, self.group)
+            serial[s.name].data[...] = full
+
+
+def tensor_parallel_gpt(model, group, sequence_parallel=False, rows=None) -> TensorParallelGPT:
+    """``model`` (the same serial GPT on every rank) split over the tensor-parallel ``group``."""
+    return TensorParallelGPT(model, group, sequence_parallel, rows)
