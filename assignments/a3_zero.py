@@ -41,9 +41,9 @@ stages 1 and 2 send the same as reduce-scatter + all-gather; stage 3 gathers twi
 Stage 3 and our autograd: a layer's graph keeps references to the arrays it computed with,
 parameters included, until backward. Freeing W after forward would therefore free nothing, so a
 stage-3 layer runs its forward without a graph and, in backward, gathers W again and recomputes
-its forward with a graph (activation checkpointing). The recompute must draw the same dropout
-masks as the forward; until every mask is a pure function of (seed, step, module name), the one
-check in ``ZeroStage3.__init__`` refuses dropout.
+its forward with a graph (activation checkpointing). The recompute draws the same dropout masks
+as the forward did, because every mask is a pure function of (seed, step, the dropout's name)
+(``tinytrain.random``).
 
 Beyond a module: ZeRO-1/2 also take a plain list of parameters (a pipeline stage, whose forward and
 backward the pipeline runs), and ``grad_square_sums`` gives a composed layout (tensor x data
@@ -247,9 +247,6 @@ class ZeroStage3(ZeroStage2):
     stage = 3
 
     def __init__(self, module, optimizer, group=None, units=None):
-        if getattr(getattr(module, "config", None), "dropout", 0.0):  # the one dropout check
-            raise ValueError("ZeRO-3 recomputes each layer's forward in backward, which would draw new "
-                             "dropout masks; use dropout 0 (--dropout 0) with stage 3")
         super().__init__(module, optimizer, group)
         units = units if units is not None else gpt_units(module)
         self.units = [(name, fn, [self.shard_of[id(p)] for p in params if id(p) in self.shard_of])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from parallel_cases import (
+    VOCAB,
     T,
     assert_params_close,
     assert_same_on_all_ranks,
@@ -25,6 +26,8 @@ from parallel_cases import (
 
 from tinytrain import distributed as dist
 from tinytrain import functional as F
+from tinytrain import random
+from tinytrain.autograd import Tensor
 from tinytrain.backend import xp
 from tinytrain.data import shard_rows
 from tinytrain.nn import GPT, GPTConfig
@@ -191,9 +194,6 @@ def test_impossible_settings_say_what_to_change():
     model = tiny_gpt()
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
         Zero(model, make_optimizer("sgd", model), stage=4)
-    dropout = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=32, dropout=0.1))
-    with pytest.raises(ValueError, match="dropout 0"):
-        Zero(dropout, make_optimizer("sgd", dropout), stage=3)
     with pytest.raises(ValueError, match="belong to no unit"):
         Zero(model, make_optimizer("sgd", model), stage=3, units=gpt_units(model)[:-1])
 
@@ -261,3 +261,29 @@ def test_square_sums_split_by_a_predicate_and_clipping_by_a_given_norm(stage):
     scale = 1e-3 / (total + 1e-6)
     for s in zero.shards:
         np.testing.assert_allclose(s.grad / scale, s.my_piece(want[name_of[id(s.p)]]), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.world_size(2)
+def test_zero3_recompute_draws_the_serial_dropout_masks():
+    """Stage 3 recomputes each layer's forward in backward. A mask is a pure function of (seed, dropout
+    site) and each rank keeps its rows of the global batch's mask (forward and backward both inside
+    batch_rows), so ZeRO-3 with dropout trains like the serial model with dropout."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+
+    def run(zero_stage):
+        model = GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=2, n_embd=32, dropout=0.2), seed=0)
+        opt = make_optimizer("sgd", model)
+        net = Zero(model, opt, stage=zero_stage) if zero_stage else model
+        for t in range(STEPS):
+            random.manual_seed((0, t))
+            opt.zero_grad()
+            x, y = global_batch(t, ROWS)
+            first, rows = (rank * ROWS // n, ROWS // n) if zero_stage else (0, ROWS)
+            with random.batch_rows(first, ROWS):
+                loss = F.cross_entropy(net(xp.asarray(x[first:first + rows])), xp.asarray(y[first:first + rows]))
+                (net.backward if zero_stage else Tensor.backward)(loss)
+            (net.step if zero_stage else opt.step)()
+        return net.full_parameters() if zero_stage else {k: p.data for k, p in model.named_parameters()}
+
+    for k in (1, 3):
+        assert_params_close(run(k), run(0), **TOL["sgd"], what=f"ZeRO-{k} with dropout 0.2")
