@@ -37,12 +37,11 @@ and the region edges become the two halves of a ring all-reduce (see ``mappings.
 Under SP a replicated weight (LayerNorm, row bias) sees only my tokens, so its gradient is a
 partial sum: its Shard says ``partial`` and the model sums it over the group after backward.
 
-Dropout ("per-region RNG"): every rank seeds the global generator the same way (the training loop
-calls ``manual_seed((seed, step))``), then each dropout draws the mask for the *full* serial shape
-in the serial order and keeps the piece for its own rows/sequence positions. The masks therefore
-equal the serial model's bit for bit, whatever t is; the price is drawing t times more random
-numbers than used, cheap next to the matmuls. Each layer keeps its serial dropout's name in
-``dropout_site`` for a generator keyed by site.
+Dropout ("per-region RNG"): each layer keeps its serial dropout's name in ``dropout_site``; the
+mask comes from a generator keyed by (seed, step, site) (``tinytrain.random``), is drawn for the
+*full* serial shape and cut to this rank's piece (its sequence positions, its rows of the global
+batch). The masks therefore equal the serial model's bit for bit, whatever t is; the price is
+drawing t times more random numbers than used, cheap next to the matmuls.
 """
 
 from __future__ import annotations
@@ -51,8 +50,7 @@ from dataclasses import dataclass
 
 from tinytrain import distributed as dist
 from tinytrain import functional as F
-from tinytrain import random as _random
-from tinytrain.autograd import Parameter, Tensor, ops
+from tinytrain.autograd import Parameter, Tensor
 from tinytrain.backend import xp
 from tinytrain.nn.module import Module
 from assignments.a4_tensor_parallel.mappings import (
@@ -122,7 +120,6 @@ class Parallel(Module):
     def __init__(self, group, sequence_parallel: bool):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.rows = None  # (first row, global batch) for a data-parallel replica, else all rows
         self.sources = {}  # my parameter's attribute -> its Shard
 
     def keep(self, attr: str, source: Shard | None) -> None:
@@ -149,13 +146,10 @@ class Parallel(Module):
         return ReduceFromRegion.apply(x, group=self.group)
 
     def dropout(self, x, p, training):
-        """Dropout with the serial mask: draw it for the full serial shape, keep my piece (see top).
-
-        My piece: my sequence positions under SP, and my rows of the global batch when a
-        data-parallel replica holds only ``self.rows = (first row, global batch)``."""
-        if not training or p == 0.0:
-            return x
-        raise NotImplementedError("TODO 4.5: Full shape: (global batch, T·t under SP, C); index: my rows and (SP) my sequence positions; ops.Dropout with full_shape and index.")
+        """Dropout with the serial mask: my piece of the mask the serial module ``dropout_site``
+        draws for the whole batch (see top): my sequence positions under SP; my rows of the
+        global batch come from ``random.batch_rows``, which the data-parallel layout sets."""
+        raise NotImplementedError("TODO 4.5: functional.dropout with site=self.dropout_site; under SP also seq_shard=(my rank, group size).")
 
 
 # --- 4.2 column and row parallel linear -----------------------------------------------------------

@@ -49,12 +49,10 @@ from assignments.a4_tensor_parallel.mappings import (
 
 
 class TensorParallelGPT(Parallel):
-    """A serial ``GPT`` split over ``group``: ``loss(ids, targets)`` equals the serial loss.
+    """A serial ``GPT`` split over ``group``: ``loss(ids, targets)`` equals the serial loss. It
+    also follows the pipeline's ``StageModel`` protocol, so a pipeline stage can be TP-sharded."""
 
-    ``rows``: (first row, global batch) when a data-parallel replica holds only some rows of the
-    global batch, so dropout cuts the serial mask's rows too."""
-
-    def __init__(self, model, group, sequence_parallel=False, rows=None):
+    def __init__(self, model, group, sequence_parallel=False):
         super().__init__(group, sequence_parallel)
         config = model.config
         if config.n_experts or not config.tie_weights:
@@ -68,8 +66,6 @@ class TensorParallelGPT(Parallel):
         self.ln_f = ReplicatedLayerNorm(model.ln_f, group, "ln_f", sequence_parallel)
         self.head = None  # the output head is the (vocab-parallel) token embedding, tied
         self.p, self.dropout_site = config.dropout, "drop"
-        for m in self.modules():
-            m.rows = rows  # every dropout cuts the same rows of the serial mask
 
     def hidden(self, ids):
         """The last block's output: (B, T, C), or my sequence shard under SP."""
@@ -108,6 +104,19 @@ class TensorParallelGPT(Parallel):
         return vocab_parallel_cross_entropy(self.logits(x), targets, self.group, self.wte.start,
                                             denominator=denominator)
 
+    # --- the pipeline's stage protocol (pipeline.StageModel) --------------------------------------
+
+    def first_parameters(self) -> list:
+        return [self.wte.weight, self.wpe]
+
+    def last_parameters(self) -> list:
+        return self.ln_f.parameters() + [self.wte.weight]  # the head is the tied embedding
+
+    def activation_shape(self, rows: int, seq_len: int) -> tuple:
+        """Between blocks: (rows, T, C), or my sequence shard (rows, T/t, C) under SP."""
+        t = dist.get_world_size(self.group) if self.sequence_parallel else 1
+        return (rows, seq_len // t, self.config.n_embd)
+
     def sync_sequence_parallel_grads(self):
         """Under SP a replicated weight (LayerNorm, row bias) saw only my tokens: sum over the group."""
         for s in self.shards():
@@ -122,6 +131,6 @@ class TensorParallelGPT(Parallel):
             serial[s.name].data[...] = full
 
 
-def tensor_parallel_gpt(model, group, sequence_parallel=False, rows=None) -> TensorParallelGPT:
+def tensor_parallel_gpt(model, group, sequence_parallel=False) -> TensorParallelGPT:
     """``model`` (the same serial GPT on every rank) split over the tensor-parallel ``group``."""
-    return TensorParallelGPT(model, group, sequence_parallel, rows)
+    return TensorParallelGPT(model, group, sequence_parallel)
