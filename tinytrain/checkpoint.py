@@ -168,25 +168,25 @@ class Reader:
             raise KeyError(f"checkpoint {self.folder} has no tensor {name!r} (it has {len(self.names())})")
         shape = tuple(self.manifest["tensors"][name])
         full, covered = None, numpy.zeros(shape, dtype=bool)
-        # A slice along an axis, flattened, is filled piece by piece, then put in place.
-        slices: dict = {}
+        flats: dict = {}  # (axis, start, stop) -> (values, filled) of that slice, flattened
         for piece, arrays, key in self.pieces.get((name, field), []):
             array = arrays[key]
             if full is None:
                 full = numpy.zeros(shape, dtype=array.dtype)
-            index = [slice(None)] * len(shape)
-            if piece.axis is not None:
-                index[piece.axis] = slice(piece.start, piece.stop)
-            index = tuple(index)
+            where = Placement(name, piece.axis, piece.start, piece.stop)
             if piece.flat_start is None:
-                full[index], covered[index] = array.reshape(full[index].shape), True
+                where.cut(full)[...] = array.reshape(where.cut(full).shape)
+                where.cut(covered)[...] = True
             else:
-                flat, done = slices.setdefault(index, (numpy.zeros(full[index].size, array.dtype),
-                                                       numpy.zeros(full[index].size, bool)))
-                flat[piece.flat_start:piece.flat_stop], done[piece.flat_start:piece.flat_stop] = array.reshape(-1), True
-        for index, (flat, done) in slices.items():
-            full[index] = flat.reshape(full[index].shape)
-            covered[index] = done.reshape(covered[index].shape)
+                size = where.cut(full).size
+                values, filled = flats.setdefault((where.axis, where.start, where.stop),
+                                                  (numpy.zeros(size, array.dtype), numpy.zeros(size, bool)))
+                values[piece.flat_start:piece.flat_stop] = array.reshape(-1)
+                filled[piece.flat_start:piece.flat_stop] = True
+        for (axis, start, stop), (values, filled) in flats.items():
+            where = Placement(name, axis, start, stop)
+            where.cut(full)[...] = values.reshape(where.cut(full).shape)
+            where.cut(covered)[...] = filled.reshape(where.cut(covered).shape)
         if full is None or not covered.all():
             raise ValueError(f"checkpoint {self.folder}: the pieces of {name!r} ({field}) do not cover it; "
                              "a rank's file is missing or damaged")

@@ -1,19 +1,21 @@
-"""Checkpoints: a round trip of model, optimizer state and metadata; atomic writes."""
+"""Checkpoints: layout-free pieces, a manifest committed last, reading back under any cut."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy
 import pytest
 
 from tinytrain import checkpoint
-from tinytrain.backend import xp
+from tinytrain.backend import to_host, xp
+from tinytrain.checkpoint import Piece, Placement
 from tinytrain.nn import GPT, GPTConfig
 from tinytrain.optim import AdamW
 
 
-def trained_state(seed):
+def trained(seed):
     rng = numpy.random.default_rng(seed)
     model = GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=2, n_embd=8), seed=seed)
     opt = AdamW(model.parameters(), lr=0.01)
@@ -23,64 +25,85 @@ def trained_state(seed):
     return model, opt
 
 
-def test_round_trip(tmp_path):
-    model, opt = trained_state(int(numpy.random.default_rng().integers(1 << 30)))
-    meta = {"step": 7, "note": "hello", "losses": [1.5, 1.25]}
-    path = tmp_path / "sub" / "ckpt.npz"
-    checkpoint.save(path, model.state_dict(), opt.state_dict(), meta)
-    model_state, optim_state, meta2 = checkpoint.load(path)
-    assert meta2 == meta
-    assert list(model_state) == list(model.state_dict())
-    for k, v in model.state_dict().items():
-        numpy.testing.assert_array_equal(model_state[k], v)
-        assert model_state[k].dtype == v.dtype
-    ref = opt.state_dict()
-    assert optim_state["lr"] == ref["lr"]
-    assert set(optim_state["state"]) == set(ref["state"])
-    for i, s in ref["state"].items():
-        assert set(optim_state["state"][i]) == set(s)
-        assert optim_state["state"][i]["step"] == s["step"] == 1
-        numpy.testing.assert_array_equal(optim_state["state"][i]["exp_avg"], s["exp_avg"])
-        numpy.testing.assert_array_equal(optim_state["state"][i]["exp_avg_sq"], s["exp_avg_sq"])
-    # and the loaded state goes back into a model and an optimizer
-    fresh, fresh_opt = trained_state(0)
-    fresh.load_state_dict(model_state)
-    fresh_opt.load_state_dict(optim_state)
-    for (_, a), (_, b) in zip(fresh.named_parameters(), model.named_parameters()):
-        numpy.testing.assert_array_equal(numpy.asarray(a.data), numpy.asarray(b.data))
+def save(folder, model, opt, step):
+    named = [(Placement(name), p) for name, p in model.named_parameters()]
+    pieces, scalars = checkpoint.collect(named, opt)
+    checkpoint.write_pieces(folder, step, 0, pieces, scalars)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    checkpoint.commit(folder, step, 1, shapes, {"step": step, "note": "hello"})
+    return named
 
 
-def test_missing_checkpoint_is_a_clear_error(tmp_path):
+def test_round_trip_of_parameters_and_optimizer_state(tmp_path):
+    model, opt = trained(int(numpy.random.default_rng().integers(1 << 30)))
+    save(tmp_path, model, opt, 7)
+    fresh, fresh_opt = trained(0)
+    reader = checkpoint.Reader(tmp_path)
+    assert reader.meta["step"] == 7 and reader.meta["note"] == "hello"
+    checkpoint.restore(reader, [(Placement(n), p) for n, p in fresh.named_parameters()], fresh_opt)
+    for (name, a), b in zip(fresh.named_parameters(), model.parameters()):
+        numpy.testing.assert_array_equal(to_host(a.data), to_host(b.data), err_msg=name)
+        for field in ("exp_avg", "exp_avg_sq"):
+            numpy.testing.assert_array_equal(to_host(fresh_opt.state[a][field]), to_host(opt.state[b][field]))
+        assert fresh_opt.state[a]["step"] == opt.state[b]["step"] == 1
+
+
+def test_pieces_cut_along_an_axis_and_flattened_are_assembled(tmp_path):
+    """Three 'ranks' hold a (6, 4) tensor as TP halves along axis 1, the second half further cut
+    into two flat ZeRO pieces; any reader gets the whole tensor back, and a missing piece is named."""
+    full = numpy.random.default_rng().standard_normal((6, 4)).astype(numpy.float32)
+    left, right = full[:, :2], full[:, 2:].reshape(-1)
+    by_rank = [
+        [(Piece("w", "param", 1, 0, 2), left)],
+        [(Piece("w", "param", 1, 2, 4, 0, 5), right[:5])],
+        [(Piece("w", "param", 1, 2, 4, 5, 12), right[5:])],
+    ]
+    for rank, pieces in enumerate(by_rank):
+        checkpoint.write_pieces(tmp_path, 1, rank, pieces, {})
+    checkpoint.commit(tmp_path, 1, 3, {"w": (6, 4)}, {"step": 1})
+    numpy.testing.assert_array_equal(checkpoint.Reader(tmp_path).read("w"), full)
+    assert Placement("w", 1, 2, 4).cut(full).shape == (6, 2)
+
+    checkpoint.write_pieces(tmp_path, 2, 0, by_rank[0], {})
+    checkpoint.write_pieces(tmp_path, 2, 1, by_rank[1], {})
+    checkpoint.write_pieces(tmp_path, 2, 2, [], {})  # this rank lost its piece
+    checkpoint.commit(tmp_path, 2, 3, {"w": (6, 4)}, {"step": 2})
+    with pytest.raises(ValueError, match="pieces of 'w' .* do not cover it"):
+        checkpoint.Reader(tmp_path).read("w")
+
+
+def test_missing_checkpoint_and_missing_rank_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        checkpoint.load(tmp_path / "nope.npz")
+        checkpoint.Reader(tmp_path / "nope")
+    checkpoint.write_pieces(tmp_path, 1, 0, [], {})
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] wrote no pieces"):
+        checkpoint.commit(tmp_path, 1, 2, {}, {"step": 1})
 
 
-def test_crash_mid_write_keeps_the_old_checkpoint(tmp_path, monkeypatch):
-    old_model, old_opt = trained_state(1)
-    new_model, new_opt = trained_state(2)
-    path = tmp_path / "ckpt.npz"
-    checkpoint.save(path, old_model.state_dict(), old_opt.state_dict(), {"step": 1})
-    before = path.read_bytes()
-
-    real_savez = numpy.savez
+def test_a_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    old_model, old_opt = trained(1)
+    new_model, new_opt = trained(2)
+    save(tmp_path, old_model, old_opt, 1)
+    manifest = (tmp_path / checkpoint.MANIFEST).read_bytes()
 
     def crashing_savez(f, **arrays):
         f.write(b"PK\x03\x04 half a zip file")  # some bytes reach the file, then the process dies
         raise KeyboardInterrupt("simulated crash")
 
+    real_savez = numpy.savez
     monkeypatch.setattr(numpy, "savez", crashing_savez)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(path, new_model.state_dict(), new_opt.state_dict(), {"step": 2})
+        save(tmp_path, new_model, new_opt, 2)
     monkeypatch.setattr(numpy, "savez", real_savez)
 
-    assert path.read_bytes() == before  # the old checkpoint, untouched
-    assert os.listdir(tmp_path) == ["ckpt.npz"]  # no temporary file left behind
-    model_state, _, meta = checkpoint.load(path)
-    assert meta == {"step": 1}
-    for k, v in old_model.state_dict().items():
-        numpy.testing.assert_array_equal(model_state[k], v)
+    assert (tmp_path / checkpoint.MANIFEST).read_bytes() == manifest  # still names step 1
+    assert not list((tmp_path / "step-000000002").glob("*.tmp"))  # no temporary file left behind
+    reader = checkpoint.Reader(tmp_path)
+    assert reader.meta["step"] == 1
+    for name, p in old_model.named_parameters():
+        numpy.testing.assert_array_equal(reader.read(name), to_host(p.data))
 
-    # a later successful save replaces it
-    checkpoint.save(path, new_model.state_dict(), new_opt.state_dict(), {"step": 2})
-    assert checkpoint.load(path)[2] == {"step": 2}
-    assert os.listdir(tmp_path) == ["ckpt.npz"]
+    save(tmp_path, new_model, new_opt, 2)  # a later save replaces it, and removes the old folder
+    assert checkpoint.Reader(tmp_path).meta["step"] == 2
+    assert sorted(os.listdir(tmp_path)) == [checkpoint.MANIFEST, "step-000000002"]
+    assert json.loads((tmp_path / checkpoint.MANIFEST).read_text())["folder"] == "step-000000002"

@@ -38,9 +38,10 @@ def test_train_writes_metrics_plot_and_checkpoint(tmp_path):
     assert 0.0 <= m["final"]["val_accuracy"] <= 1.0
     png = (tmp_path / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
-    _, optim_state, meta = checkpoint.load(tmp_path / "ckpt.npz")
-    assert meta["step"] == 6 and len(meta["metrics_steps"]) == 6
-    assert optim_state["state"]  # AdamW moments were saved
+    reader = checkpoint.Reader(tmp_path / "ckpt")
+    assert reader.meta["step"] == 6 and len(reader.meta["metrics_steps"]) == 6
+    assert reader.fields("wte.weight") == ["exp_avg", "exp_avg_sq", "param"]  # AdamW moments were saved
+    assert reader.scalars["wte.weight"] == {"step": 6}
 
 
 def test_progress_line_shows_loss_and_throughput(tmp_path, capsys):
@@ -52,7 +53,8 @@ def test_progress_line_shows_loss_and_throughput(tmp_path, capsys):
 
 
 def final_params(out):
-    return checkpoint.load(out / "ckpt.npz")[0]
+    reader = checkpoint.Reader(out / "ckpt")
+    return {name: reader.read(name) for name in reader.names()}
 
 
 def assert_same_run(a, b, ma, mb):
@@ -62,10 +64,12 @@ def assert_same_run(a, b, ma, mb):
     assert list(pa) == list(pb)
     for k in pa:
         numpy.testing.assert_array_equal(pa[k], pb[k], err_msg=k)  # bitwise
-    oa, ob = checkpoint.load(a / "ckpt.npz")[1], checkpoint.load(b / "ckpt.npz")[1]
-    for i in oa["state"]:
-        for k in oa["state"][i]:
-            numpy.testing.assert_array_equal(oa["state"][i][k], ob["state"][i][k])
+    ra, rb = checkpoint.Reader(a / "ckpt"), checkpoint.Reader(b / "ckpt")
+    assert ra.scalars == rb.scalars
+    for name in ra.names():
+        assert ra.fields(name) == rb.fields(name)
+        for field in ra.fields(name):
+            numpy.testing.assert_array_equal(ra.read(name, field), rb.read(name, field))
     assert ma["final"] == mb["final"]
 
 
@@ -89,7 +93,7 @@ def test_resume_after_a_crash_is_exact(tmp_path, monkeypatch, extra):
     with pytest.raises(KeyboardInterrupt):
         train(crashed, *common)
     monkeypatch.setattr(AdditionDataset, "batch", real_batch)
-    assert checkpoint.load(crashed / "ckpt.npz")[2]["step"] == 3
+    assert checkpoint.Reader(crashed / "ckpt").meta["step"] == 3
     mr = train(crashed, *common, "--resume")
     assert_same_run(straight, crashed, ms, mr)
 
@@ -137,7 +141,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(tmp_path, "--steps", "3", "--resume")
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        main(["sample", "--ckpt", str(tmp_path / "ckpt.npz")])
+        main(["sample", "--ckpt", str(tmp_path / "ckpt")])
 
 
 def test_resume_with_another_model_shape_names_the_parameter(tmp_path, capsys):
@@ -164,7 +168,7 @@ def test_bad_arguments_exit_with_a_clear_message(tmp_path, bad, message, capsys)
     err = capsys.readouterr().err
     assert err.startswith("tinytrain train: error: ") and re.search(message, err), err
     assert "Traceback" not in err
-    assert not (tmp_path / "ckpt.npz").exists()
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_unknown_option_exits_with_usage(capsys):
@@ -177,7 +181,7 @@ def test_unknown_option_exits_with_usage(capsys):
 def test_sample_prints_a_continuation(tmp_path, capsys):
     train(tmp_path, "--steps", "3", "--no-plot")
     capsys.readouterr()
-    ckpt = str(tmp_path / "ckpt.npz")
+    ckpt = str(tmp_path / "ckpt")
     assert main(["sample", "--ckpt", ckpt]) == 0
     line = capsys.readouterr().out.strip()
     ds = AdditionDataset(2)  # the default --digits
@@ -207,7 +211,7 @@ def test_train_and_sample_on_a_text_file(tmp_path, capsys):
     assert m["config"]["model"]["vocab_size"] == len(set(text))
     assert "val_accuracy" not in m["final"] and numpy.isfinite(m["final"]["val_loss"])
     capsys.readouterr()
-    assert main(["sample", "--ckpt", str(out / "ckpt.npz"), "--prompt", "the ", "--tokens", "20"]) == 0
+    assert main(["sample", "--ckpt", str(out / "ckpt"), "--prompt", "the ", "--tokens", "20"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("the ") and len(printed.rstrip("\n")) >= 24 - 2
     assert set(printed) <= set(text) | {"\n"}

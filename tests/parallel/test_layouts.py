@@ -18,7 +18,7 @@ from tinytrain.cli import main
 
 import parallel_cases
 
-TINY = ["--layers", "4", "--width", "32", "--heads", "2", "--batch-size", "8", "--steps", "4", "--eval-every", "2",
+TINY = ["--layers", "4", "--width", "32", "--heads", "4", "--batch-size", "8", "--steps", "4", "--eval-every", "2",
         "--eval-batches", "1", "--warmup", "1", "--dropout", "0.1", "--quiet", "--no-plot"]
 
 _serial: dict = {}  # the serial run's metrics, computed once (rank 0)

@@ -54,9 +54,6 @@ class Plan:
             raise ValueError(f"--microbatches must be at least 1, got {self.microbatches}")
         if self.bucket_mb <= 0:
             raise ValueError(f"--bucket-mb must be positive, got {self.bucket_mb}")
-        if world_size != self.world_size:
-            raise ValueError(f"{self.flags()} needs exactly {self.world_size} ranks (dp x pp x tp): run `mpirun -n "
-                             f"{self.world_size} tinytrain train {self.flags()} ...` (this run has {world_size})")
         if self.sp and self.tp < 2:
             raise ValueError("--sp splits the sequence over the tensor-parallel group: add --tp 2 or more")
         if self.pp == 1 and (self.chunks != 1 or self.microbatches):
@@ -73,6 +70,9 @@ class Plan:
                              "statistic that replicas and stages would each compute on their part")
         if self.tp > 1 and not config.tie_weights:
             raise ValueError("--tp shards the plain GPT with tied weights")
+        if world_size != self.world_size:
+            raise ValueError(f"{self.flags()} needs exactly {self.world_size} ranks (dp x pp x tp): run `mpirun -n "
+                             f"{self.world_size} tinytrain train {self.flags()} ...` (this run has {world_size})")
         if batch_size % (self.dp * (self.n_microbatches if self.pp > 1 else 1)):
             per = f"{self.dp} replicas x {self.n_microbatches} micro-batches" if self.pp > 1 else f"{self.dp} replicas"
             step = self.dp * (self.n_microbatches if self.pp > 1 else 1)

@@ -164,9 +164,15 @@ def resume(ckpt: Path, runner, model, optimizer, schedule, args) -> tuple[int, l
     """Load the checkpoint (written by any layout) into this layout; return (step, metrics so far)."""
     reader = checkpoint.Reader(ckpt)
     meta = reader.meta
-    if meta["model_config"] != model.config.to_dict():
-        raise ValueError(f"the checkpoint in {ckpt} is of another model ({meta['model_config']}); "
-                         "resume with the same --layers/--heads/--width/--data settings")
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    saved = {name: tuple(shape) for name, shape in meta["tensors"].items()}
+    if set(saved) != set(shapes):
+        raise ValueError(f"the checkpoint in {ckpt} holds other parameters ({sorted(set(saved) ^ set(shapes))[:3]} "
+                         "differ); resume with the model settings it was trained with")
+    for name, shape in shapes.items():
+        if saved[name] != shape:
+            raise ValueError(f"{name}: checkpoint shape {saved[name]} != model shape {shape}; resume with the "
+                             "--layers/--heads/--width/--data settings the checkpoint was trained with")
     if meta["optimizer"] != args.optimizer:
         raise ValueError(f"the checkpoint in {ckpt} was trained with --optimizer {meta['optimizer']}; "
                          f"resume with --optimizer {meta['optimizer']}")
