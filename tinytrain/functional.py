@@ -115,29 +115,16 @@ def stack(tensors, axis=0):
 
 def split(x, size_or_sizes, axis=0):
     """Pieces along ``axis``: equal pieces of ``size`` (the last may be shorter) or given sizes."""
-    n = x.shape[axis]
-    if isinstance(size_or_sizes, int):
-        if size_or_sizes <= 0:
-            raise ValueError(f"split size must be positive, got {size_or_sizes}")
-        sizes = [min(size_or_sizes, n - start) for start in range(0, n, size_or_sizes)]
-    else:
-        sizes = list(size_or_sizes)
-        if sum(sizes) != n:
-            raise ValueError(f"split sizes {sizes} add up to {sum(sizes)}, but axis {axis} has {n}")
-    lead = (slice(None),) * (axis % x.ndim)
-    pieces, start = [], 0
-    for size in sizes:
-        pieces.append(x[lead + (slice(start, start + size),)])
-        start += size
-    return pieces
+    return _tensor(x).split(size_or_sizes, axis=axis)
 
 
 def chunk(x, chunks, axis=0):
     """``chunks`` pieces along ``axis`` of size ceil(n/chunks) (the last ones may be smaller)."""
-    if chunks <= 0:
-        raise ValueError(f"chunks must be positive, got {chunks}")
-    n = x.shape[axis]
-    return split(x, max(1, -(-n // chunks)), axis=axis)
+    return _tensor(x).chunk(chunks, axis=axis)
+
+
+def _tensor(x):
+    return x if isinstance(x, Tensor) else Tensor(xp.asarray(x))
 
 
 def where(condition, a, b):
@@ -148,4 +135,4 @@ def where(condition, a, b):
 
 def masked_fill(x, mask, value):
     """``x`` with ``value`` wherever ``mask`` is True."""
-    return where(mask, value, x)
+    return _tensor(x).masked_fill(mask, value)

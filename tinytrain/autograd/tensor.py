@@ -204,19 +204,33 @@ class Tensor:
         return ops.GetItem.apply(self, index=_unwrap_index(index))
 
     def split(self, size_or_sizes, axis=0):
-        from tinytrain.functional import split
-
-        return split(self, size_or_sizes, axis=axis)
+        """Pieces along ``axis``: equal pieces of ``size`` (the last may be shorter) or given sizes."""
+        n = self.shape[axis]
+        if isinstance(size_or_sizes, int):
+            if size_or_sizes <= 0:
+                raise ValueError(f"split size must be positive, got {size_or_sizes}")
+            sizes = [min(size_or_sizes, n - start) for start in range(0, n, size_or_sizes)]
+        else:
+            sizes = list(size_or_sizes)
+            if sum(sizes) != n:
+                raise ValueError(f"split sizes {sizes} add up to {sum(sizes)}, but axis {axis} has {n}")
+        lead = (slice(None),) * (axis % self.ndim)
+        pieces, start = [], 0
+        for size in sizes:
+            pieces.append(self[lead + (slice(start, start + size),)])
+            start += size
+        return pieces
 
     def chunk(self, chunks, axis=0):
-        from tinytrain.functional import chunk
-
-        return chunk(self, chunks, axis=axis)
+        """``chunks`` pieces along ``axis`` of size ceil(n/chunks) (the last ones may be smaller)."""
+        if chunks <= 0:
+            raise ValueError(f"chunks must be positive, got {chunks}")
+        return self.split(max(1, -(-self.shape[axis] // chunks)), axis=axis)
 
     def masked_fill(self, mask, value):
-        from tinytrain.functional import masked_fill
-
-        return masked_fill(self, mask, value)
+        """This tensor with ``value`` wherever ``mask`` is True."""
+        mask = mask.data if isinstance(mask, Tensor) else xp.asarray(mask)
+        return ops.Where.apply(mask, value, self)
 
 
 class Parameter(Tensor):

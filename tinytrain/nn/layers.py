@@ -1,4 +1,4 @@
-"""The basic layers: Linear, Embedding, LayerNorm, Dropout.
+"""The basic layers: Linear, Embedding, LayerNorm, Dropout, and the MLP built from them.
 
 Weights are drawn on the host from a seeded NumPy generator (``rng``) and then moved to the
 backend, so every rank and every device that uses the same seed starts from the same numbers.
@@ -97,3 +97,16 @@ class Dropout(Module):
 
     def extra_repr(self):
         return f"p={self.p}"
+
+
+class MLP(Module):
+    """fc_1, gelu, fc_2, dropout: the feed-forward half of a transformer block (and one MoE expert)."""
+
+    def __init__(self, n_embd: int, hidden: int, dropout: float = 0.0, bias: bool = True, proj_std=0.02, rng=None):
+        super().__init__()
+        self.fc_1 = Linear(n_embd, hidden, bias, rng=rng)
+        self.fc_2 = Linear(hidden, n_embd, bias, std=proj_std, rng=rng)
+        self.dropout = Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.fc_2(F.gelu(self.fc_1(x))))

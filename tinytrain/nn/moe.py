@@ -25,7 +25,7 @@ import numpy
 from tinytrain import functional as F
 from tinytrain.autograd import Tensor
 from tinytrain.backend import to_host, xp
-from tinytrain.nn.layers import Linear
+from tinytrain.nn.layers import MLP, Linear
 from tinytrain.nn.module import Module, ModuleList
 
 
@@ -58,8 +58,6 @@ class MoE(Module):
     def __init__(self, n_embd, hidden, n_experts, top_k=2, capacity_factor=0.0, dropout=0.0,
                  bias=True, proj_std=0.02, rng=None):
         super().__init__()
-        from tinytrain.nn.transformer import MLP
-
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
         if capacity_factor < 0:

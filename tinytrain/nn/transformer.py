@@ -20,7 +20,7 @@ import numpy
 from tinytrain import functional as F
 from tinytrain.autograd import Tensor
 from tinytrain.backend import xp
-from tinytrain.nn.layers import Dropout, Embedding, LayerNorm, Linear
+from tinytrain.nn.layers import MLP, Dropout, Embedding, LayerNorm, Linear  # noqa: F401 (MLP re-exported)
 from tinytrain.nn.module import Module, ModuleList
 
 
@@ -87,17 +87,6 @@ class CausalSelfAttention(Module):
         y = F.scaled_dot_product_attention(q, k, v, causal=True)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.proj(y))
-
-
-class MLP(Module):
-    def __init__(self, n_embd: int, hidden: int, dropout: float = 0.0, bias: bool = True, proj_std=0.02, rng=None):
-        super().__init__()
-        self.fc_1 = Linear(n_embd, hidden, bias, rng=rng)
-        self.fc_2 = Linear(hidden, n_embd, bias, std=proj_std, rng=rng)
-        self.dropout = Dropout(dropout)
-
-    def forward(self, x):
-        return self.dropout(self.fc_2(F.gelu(self.fc_1(x))))
 
 
 class Block(Module):
