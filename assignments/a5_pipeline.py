@@ -48,10 +48,12 @@ axis), and the last stage's loss is the vocab-parallel cross-entropy (``head_los
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from tinytrain import distributed as dist
-from tinytrain import functional as F
+from tinytrain import random as _random
 from tinytrain import trace
-from tinytrain.autograd import Parameter, Tensor, saved_bytes
+from tinytrain.autograd import Tensor, saved_bytes
 from tinytrain.backend import xp
 from tinytrain.parallel.simulator import Action
 
@@ -130,38 +132,54 @@ def split_layers(n_layer: int, stages: int, chunks: int = 1) -> list[range]:
     return bounds
 
 
+class StageModel(Protocol):
+    """What a model offers to be cut into stages (``GPT`` and ``TensorParallelGPT`` do)."""
+
+    blocks: list  # the repeated layers; each virtual stage runs a contiguous run of them
+
+    def embed(self, ids) -> Tensor: ...  # the first stage: token ids -> the first block's input
+
+    def head_loss(self, x, targets, denominator) -> Tensor: ...  # the last stage: last block's output -> loss
+
+    def first_parameters(self) -> list: ...  # held by the first stage besides its blocks
+
+    def last_parameters(self) -> list: ...  # held by the last stage besides its blocks
+
+    def activation_shape(self, rows: int, seq_len: int) -> tuple: ...  # what one block hands the next
+
+
 class PipelineStage:
-    """What one rank holds of a GPT: its chunks of blocks, plus embeddings (first) or head (last).
+    """What one rank holds of a model: its chunks of blocks, plus the first or last stage's extras.
 
     Every rank builds the whole model from the same seed and keeps references to its part only, so
-    a pipeline run starts from exactly the serial run's weights. ``model`` is a ``GPT`` or a
-    ``TensorParallelGPT`` (this rank's shards): both have ``blocks``, ``embed`` and ``logits``.
+    a pipeline run starts from exactly the serial run's weights. ``model`` follows ``StageModel``.
+    A parameter held by both the first and the last stage (a tied embedding) is *tied*: its two
+    gradients are summed between those stages after backward.
     """
 
-    def __init__(self, model, stages: int, chunks: int = 1, rank: int | None = None, group=None):
+    def __init__(self, model: StageModel, stages: int, chunks: int = 1, rank: int | None = None, group=None):
         self.model, self.stages, self.chunks, self.group = model, stages, chunks, group
         self.rank = dist.get_rank(group) if rank is None else rank
         if dist.get_world_size(group) != stages:
             raise ValueError(f"a {stages}-stage pipeline needs a group of {stages} ranks, got {dist.get_world_size(group)}")
         self.n_virtual = stages * chunks
-        layers = split_layers(model.config.n_layer, stages, chunks)
+        layers = split_layers(len(model.blocks), stages, chunks)
         self.blocks = {c: [model.blocks[i] for i in layers[c * stages + self.rank]] for c in range(chunks)}
         self.is_first = self.rank == 0  # holds virtual stage 0
         self.is_last = self.rank == stages - 1  # holds virtual stage n_virtual - 1
+        first_ids = {id(p) for p in model.first_parameters()}
+        self.tied = [p for p in model.last_parameters() if id(p) in first_ids] if stages > 1 else []
 
     def parameters(self):
-        """This rank's parameters, each once (wte appears on the first and, tied, the last stage)."""
-        m, params = self.model, []
-        if self.is_first:
-            params += m.wte.parameters() + _parameters_of(m.wpe)
+        """This rank's parameters, each once."""
+        params = self.model.first_parameters() if self.is_first else []
         for chunk in self.blocks.values():
             for block in chunk:
                 params += block.parameters()
         if self.is_last:
-            params += m.ln_f.parameters() + (m.head.parameters() if m.head is not None else [])
-            if m.head is None and not self.is_first:
-                params.append(m.wte.weight)
-        return params
+            params += self.model.last_parameters()
+        seen = set()
+        return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
 
     def virtual(self, chunk: int) -> int:
         return chunk * self.stages + self.rank
@@ -169,32 +187,25 @@ class PipelineStage:
     def peer(self, virtual_stage: int) -> int:
         return virtual_stage % self.stages
 
-    def loss(self, x, targets, n_targets: int):
-        """The last virtual stage: summed cross-entropy of the last block's output / n_targets."""
-        if hasattr(self.model, "head_loss"):  # tensor parallel: vocab-parallel cross-entropy
-            return self.model.head_loss(x, targets, denominator=n_targets)
-        return F.cross_entropy(self.model.logits(x), targets, reduction="sum") / n_targets
+    def loss(self, x, targets, n_targets):
+        """The last virtual stage: summed loss of the last block's output / n_targets."""
+        return self.model.head_loss(x, targets, denominator=n_targets)
 
     def run_chunk(self, chunk: int, x):
         for block in self.blocks[chunk]:
             x = block(x)
         return x
 
-    def sync_tied_embedding(self) -> None:
-        """Sum the two halves of the tied embedding's gradient (first stage: lookup; last: head)."""
-        if self.model.head is not None or self.stages == 1 or not (self.is_first or self.is_last):
+    def sync_tied_parameters(self) -> None:
+        """Sum the two halves of a tied parameter's gradient (first stage: lookup; last: head)."""
+        if not self.tied or not (self.is_first or self.is_last):
             return
-        w = self.model.wte.weight
-        mine = w.grad if w.grad is not None else xp.zeros_like(w.data)
-        theirs = xp.empty_like(mine)
         other = self.stages - 1 if self.is_first else 0
-        dist.sendrecv(mine, other, theirs, other, group=self.group, tag=_TIED_TAG)
-        w.grad = mine + theirs
-
-
-def _parameters_of(part) -> list:
-    """A module's parameters, or a bare Parameter (the tensor-parallel GPT's replicated wpe)."""
-    return [part] if isinstance(part, Parameter) else part.parameters()
+        for w in self.tied:
+            mine = w.grad if w.grad is not None else xp.zeros_like(w.data)
+            theirs = xp.empty_like(mine)
+            dist.sendrecv(mine, other, theirs, other, group=self.group, tag=_TIED_TAG)
+            w.grad = mine + theirs
 
 
 # ============================================================================================
@@ -237,13 +248,14 @@ def recv_gradient(output: Tensor, src: int, tag: int, group=None):
 class PipelineStep:
     """Run one stage's actions for one step; the loss is averaged over all micro-batches.
 
-    ``x`` and ``y`` are the (data-parallel rank's) batch; row block i is micro-batch i. Each
-    micro-batch's loss is its summed cross-entropy divided by the number of counted targets in the
-    whole batch (``n_targets``; default: those in ``y``), so the sum over micro-batches is exactly
-    the serial mean loss.
+    ``x`` and ``y`` are the (data-parallel replica's) batch; row block i is micro-batch i. Each
+    micro-batch's loss is its summed cross-entropy divided by ``n_targets`` (default: the counted
+    targets in ``y``), so the sum over micro-batches is the mean loss. ``x`` holds rows
+    ``first_row...`` of a global batch of ``total_rows``: dropout keeps those rows of the serial mask.
     """
 
-    def __init__(self, stage: PipelineStage, actions, x, y, microbatches: int, n_targets: int | None = None):
+    def __init__(self, stage: PipelineStage, actions, x, y, microbatches: int, n_targets=None,
+                 first_row: int = 0, total_rows: int | None = None):
         if x.shape[0] % microbatches:
             raise ValueError(f"a batch of {x.shape[0]} rows does not split into {microbatches} micro-batches; "
                              f"use a batch that is a multiple of {microbatches}")
@@ -251,9 +263,10 @@ class PipelineStep:
         rows = x.shape[0] // microbatches
         self.x = [x[i * rows:(i + 1) * rows] for i in range(microbatches)]
         self.y = [y[i * rows:(i + 1) * rows] for i in range(microbatches)]
+        self.first_rows = [first_row + i * rows for i in range(microbatches)]
+        self.total_rows = total_rows or x.shape[0]
         self.n_targets = n_targets or int((xp.asarray(y) != -100).sum())
-        cfg = stage.model.config
-        self.act_shape = (rows, x.shape[1], cfg.n_embd)
+        self.act_shape = stage.model.activation_shape(rows, x.shape[1])
         self.received: dict = {}  # (mb, chunk) -> leaf Tensor (not on virtual stage 0)
         self.outputs: dict = {}  # (mb, chunk) -> output Tensor, or the loss on the last virtual stage
         self.pending = []  # isend handles; their buffers must live until they complete
@@ -268,7 +281,7 @@ class PipelineStep:
             trace.record("activations", "memory", now, now, bytes=held)
         for handle in self.pending:
             handle.wait()
-        self.stage.sync_tied_embedding()
+        self.stage.sync_tied_parameters()
         return self.loss if self.stage.is_last else None
 
     def forward(self, mb: int, chunk: int) -> None:
@@ -277,7 +290,8 @@ class PipelineStep:
         if k > 0:  # waiting for the input is a bubble, not work: it stays outside the compute span
             h = recv_activation(self.act_shape, xp.float32, st.peer(k - 1), _tag(mb, k - 1, st.n_virtual, False), st.group)
             self.received[(mb, chunk)] = h
-        with trace.span(f"F{mb}", cat="forward", microbatch=mb, chunk=chunk):
+        rows = _random.batch_rows(self.first_rows[mb], self.total_rows)  # dropout: the serial mask's rows
+        with rows, trace.span(f"F{mb}", cat="forward", microbatch=mb, chunk=chunk):
             if k == 0:
                 h = st.model.embed(self.x[mb])
             out = st.run_chunk(chunk, h)
@@ -302,15 +316,15 @@ class PipelineStep:
             self.pending.append(send_gradient(leaf, st.peer(k - 1), _tag(mb, k - 1, st.n_virtual, True), st.group))
 
 
-def train_step(stage: PipelineStage, actions, x, y, microbatches: int, n_targets: int | None = None):
+def train_step(stage: PipelineStage, actions, x, y, microbatches: int, n_targets=None,
+               first_row: int = 0, total_rows: int | None = None):
     """Forward and backward of one batch under ``actions`` (this stage's list of the schedule).
 
     Returns ``(loss, step)``: the batch's mean loss on the last stage (None elsewhere) and the
     PipelineStep, whose ``memory`` holds the activation bytes after each action.
     """
-    step = PipelineStep(stage, actions, x, y, microbatches, n_targets)
+    step = PipelineStep(stage, actions, x, y, microbatches, n_targets, first_row, total_rows)
     return step.run(), step
-
 
 
 def share_parameters(stage: PipelineStage) -> None:
