@@ -137,20 +137,20 @@ def test_solved_assignment_scores_full_marks(tmp_path):
 def test_grader_refuses_an_assignment_that_imports_the_reference(tmp_path):
     folder = tmp_path / "cheat"
     folder.mkdir()
-    cheat = assignment_text(A1, RUBRIC) + "\nfrom tinytrain.distributed.collectives import _ring_reduce_scatter\n"
+    cheat = assignment_text(A1, RUBRIC) + "\nfrom tinytrain.distributed.algorithms import _ring_reduce_scatter\n"
     (folder / Path(A1.file).name).write_text(cheat)
     results, text = grade(tmp_path, "--assignments", str(folder), "--tasks", "1.*")
     assert results["score"] == 0, text
-    assert "refusing to grade" in text and "imports from tinytrain.distributed.collectives" in text, text
+    assert "refusing to grade" in text and "imports from tinytrain.distributed.algorithms" in text, text
     assert all("refusing" in t["output"] for t in results["tests"]), results
 
 
 @pytest.mark.parametrize("line, words", [
     ("from tinytrain.distributed import all_reduce", "imports all_reduce from tinytrain.distributed"),
-    ("import tinytrain.distributed.collectives as ref", "imports tinytrain.distributed.collectives"),
-    ("from tinytrain.distributed import collectives", "imports tinytrain.distributed.collectives"),
-    ("import importlib; importlib.import_module('tinytrain.distributed.collectives')", "names the reference module"),
-    ("import sys\nref = sys.modules[\"tinytrain.distributed.collectives\"]", "tinytrain.distributed.collectives"),
+    ("import tinytrain.distributed.algorithms as ref", "imports tinytrain.distributed.algorithms"),
+    ("from tinytrain.distributed import algorithms", "imports tinytrain.distributed.algorithms"),
+    ("import importlib; importlib.import_module('tinytrain.distributed.algorithms')", "names the reference module"),
+    ("import sys\nref = sys.modules[\"tinytrain.distributed.algorithms\"]", "tinytrain.distributed.algorithms"),
     ("from tinytrain import distributed as d\nx = d.reduce_scatter", "uses d.reduce_scatter"),
     ("def f(g, x, y): g.comm.Allreduce(x, y)", "calls MPI's own collective .Allreduce()"),
 ])

@@ -1,4 +1,9 @@
-"""One readable file per parallel strategy, in the lecture's order.
+"""One readable chapter per parallel strategy, in the lecture's order, and their composition.
 
-data_parallel.py  zero.py  tensor_parallel.py  pipeline.py (+ simulator.py)  ...
+data_parallel.py (DDP, buckets, parameter server)   zero.py (ZeRO stages 1 < 2 < 3)
+tensor_parallel/ (mappings, layers, cross_entropy, model: Megatron TP + SP)
+pipeline.py (GPipe, 1F1B, interleaved; simulator.py plays schedules on paper)
+plan.py (a layout: how many ranks each strategy gets)   hybrid.py (parallelize: all of them on one mesh)
+
+Nothing here imports the training loop (``tinytrain.trainer``), which sits above.
 """
