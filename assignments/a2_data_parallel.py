@@ -154,7 +154,7 @@ class Bucket:
         """Copy the gradients into the buffer and start averaging it; returns at once."""
         offset = 0
         for p in self.params:
-            self.buffer[offset:offset + p.size] = _grad_or_zeros(p).reshape(-1)
+            self.buffer[offset : offset + p.size] = _grad_or_zeros(p).reshape(-1)
             offset += p.size
         self.work = dist.all_reduce(self.buffer, op="avg", group=group, async_op=True, algo=algo)
 
@@ -163,7 +163,7 @@ class Bucket:
         self.work.wait()
         offset = 0
         for p in self.params:
-            p.grad[...] = self.buffer[offset:offset + p.size].reshape(p.shape)
+            p.grad[...] = self.buffer[offset : offset + p.size].reshape(p.shape)
             offset += p.size
         self.ready.clear()
         self.work = None
@@ -239,7 +239,7 @@ def _flatten(arrays):
 def _unflatten_into(flat, arrays) -> None:
     offset = 0
     for a in arrays:
-        a[...] = flat[offset:offset + a.size].reshape(a.shape)
+        a[...] = flat[offset : offset + a.size].reshape(a.shape)
         offset += a.size
 
 

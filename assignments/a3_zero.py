@@ -109,8 +109,10 @@ class ZeroStage1(Wrapper):
 
     def __call__(self, *args, **kwargs):
         if self.module is None:
-            raise TypeError("this ZeRO holds a list of parameters, not a module: run the forward and backward "
-                            "yourself, then call finish_gradient_sync() and step()")
+            raise TypeError(
+                "this ZeRO holds a list of parameters, not a module: run the forward and backward "
+                "yourself, then call finish_gradient_sync() and step()"
+            )
         return super().__call__(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -249,8 +251,9 @@ class ZeroStage3(ZeroStage2):
     def __init__(self, module, optimizer, group=None, units=None):
         super().__init__(module, optimizer, group)
         units = units if units is not None else gpt_units(module)
-        self.units = [(name, fn, [self.shard_of[id(p)] for p in params if id(p) in self.shard_of])
-                      for name, fn, params in units]
+        self.units = [
+            (name, fn, [self.shard_of[id(p)] for p in params if id(p) in self.shard_of]) for name, fn, params in units
+        ]
         for _, _, shards in self.units:
             for s in shards:
                 s.users += 1

@@ -90,7 +90,8 @@ def interleaved_1f1b(stages: int, microbatches: int, chunks: int) -> list[list[A
     if microbatches % stages:
         raise ValueError(
             f"interleaved 1F1B sends micro-batches in groups of {stages} (the number of stages); "
-            f"{microbatches} micro-batches is not a multiple of {stages}: choose e.g. {stages * max(1, microbatches // stages)}"
+            f"{microbatches} micro-batches is not a multiple of {stages}: "
+            f"choose e.g. {stages * max(1, microbatches // stages)}"
         )
     raise NotImplementedError("TODO 5.4: Number the passes k = 0..m·v-1: chunk (k mod pv)//p, micro-batch (k//pv)·p + k mod p; backwards reverse the chunk; warm-up 2(p-1-s) + (v-1)p.")
 
@@ -106,8 +107,6 @@ def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) ->
     if chunks != 1:
         raise ValueError(f"--chunks {chunks} needs --schedule interleaved ({name} runs one chunk per stage)")
     return SCHEDULES[name](stages, microbatches)
-
-
 
 
 # ============================================================================================
@@ -161,7 +160,9 @@ class PipelineStage:
         self.model, self.stages, self.chunks, self.group = model, stages, chunks, group
         self.rank = dist.get_rank(group) if rank is None else rank
         if dist.get_world_size(group) != stages:
-            raise ValueError(f"a {stages}-stage pipeline needs a group of {stages} ranks, got {dist.get_world_size(group)}")
+            raise ValueError(
+                f"a {stages}-stage pipeline needs a group of {stages} ranks, got {dist.get_world_size(group)}"
+            )
         self.n_virtual = stages * chunks
         layers = split_layers(len(model.blocks), stages, chunks)
         self.blocks = {c: [model.blocks[i] for i in layers[c * stages + self.rank]] for c in range(chunks)}
@@ -254,15 +255,26 @@ class PipelineStep:
     ``first_row...`` of a global batch of ``total_rows``: dropout keeps those rows of the serial mask.
     """
 
-    def __init__(self, stage: PipelineStage, actions, x, y, microbatches: int, n_targets=None,
-                 first_row: int = 0, total_rows: int | None = None):
+    def __init__(
+        self,
+        stage: PipelineStage,
+        actions,
+        x,
+        y,
+        microbatches: int,
+        n_targets=None,
+        first_row: int = 0,
+        total_rows: int | None = None,
+    ):
         if x.shape[0] % microbatches:
-            raise ValueError(f"a batch of {x.shape[0]} rows does not split into {microbatches} micro-batches; "
-                             f"use a batch that is a multiple of {microbatches}")
+            raise ValueError(
+                f"a batch of {x.shape[0]} rows does not split into {microbatches} micro-batches; "
+                f"use a batch that is a multiple of {microbatches}"
+            )
         self.stage, self.actions, self.m = stage, actions, microbatches
         rows = x.shape[0] // microbatches
-        self.x = [x[i * rows:(i + 1) * rows] for i in range(microbatches)]
-        self.y = [y[i * rows:(i + 1) * rows] for i in range(microbatches)]
+        self.x = [x[i * rows : (i + 1) * rows] for i in range(microbatches)]
+        self.y = [y[i * rows : (i + 1) * rows] for i in range(microbatches)]
         self.first_rows = [first_row + i * rows for i in range(microbatches)]
         self.total_rows = total_rows or x.shape[0]
         self.n_targets = n_targets or int((xp.asarray(y) != -100).sum())
@@ -288,7 +300,9 @@ class PipelineStep:
         st = self.stage
         k = st.virtual(chunk)
         if k > 0:  # waiting for the input is a bubble, not work: it stays outside the compute span
-            h = recv_activation(self.act_shape, xp.float32, st.peer(k - 1), _tag(mb, k - 1, st.n_virtual, False), st.group)
+            h = recv_activation(
+                self.act_shape, xp.float32, st.peer(k - 1), _tag(mb, k - 1, st.n_virtual, False), st.group
+            )
             self.received[(mb, chunk)] = h
         rows = _random.batch_rows(self.first_rows[mb], self.total_rows)  # dropout: the serial mask's rows
         with rows, trace.span(f"F{mb}", cat="forward", microbatch=mb, chunk=chunk):
@@ -316,8 +330,16 @@ class PipelineStep:
             self.pending.append(send_gradient(leaf, st.peer(k - 1), _tag(mb, k - 1, st.n_virtual, True), st.group))
 
 
-def train_step(stage: PipelineStage, actions, x, y, microbatches: int, n_targets=None,
-               first_row: int = 0, total_rows: int | None = None):
+def train_step(
+    stage: PipelineStage,
+    actions,
+    x,
+    y,
+    microbatches: int,
+    n_targets=None,
+    first_row: int = 0,
+    total_rows: int | None = None,
+):
     """Forward and backward of one batch under ``actions`` (this stage's list of the schedule).
 
     Returns ``(loss, step)``: the batch's mean loss on the last stage (None elsewhere) and the

@@ -23,18 +23,33 @@ from .run import RunOptions, run_tests
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m grader", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m grader",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--ranks", type=int, default=4, help="MPI ranks to grade with (default 4)")
     p.add_argument("--tasks", nargs="+", metavar="PATTERN", help="tasks to grade, e.g. 1.* or 1.2 1.3 (default: all)")
-    p.add_argument("--impl", choices=("assignments", "reference"), default="assignments",
-                   help="grade your assignment files (default) or the reference solution")
+    p.add_argument(
+        "--impl",
+        choices=("assignments", "reference"),
+        default="assignments",
+        help="grade your assignment files (default) or the reference solution",
+    )
     p.add_argument("--assignments", metavar="DIR", help="grade the assignment files in DIR instead of assignments/")
     p.add_argument("--out", metavar="DIR", default=".", help="where results.json and junit.xml go (default: .)")
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds without a finished test before a run counts as hung (default 60)")
-    p.add_argument("--comm-timeout", type=float, default=10.0,
-                   help="seconds any single communication may wait (TINYTRAIN_TIMEOUT, default 10)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds without a finished test before a run counts as hung (default 60)",
+    )
+    p.add_argument(
+        "--comm-timeout",
+        type=float,
+        default=10.0,
+        help="seconds any single communication may wait (TINYTRAIN_TIMEOUT, default 10)",
+    )
     sub = p.add_subparsers(dest="command", metavar="{stubs,release}")
     s = sub.add_parser("stubs", help="regenerate assignments/ from the solution markers in the reference")
     s.add_argument("--check", action="store_true", help="only check: exit 1 with a diff when assignments/ is stale")
@@ -88,9 +103,15 @@ def grade(args) -> int:
     print(f"grading {len(runnable)} task(s) of {args.impl} on {args.ranks} ranks ...", file=sys.stderr)
     results = []
     if runnable:
-        opts = RunOptions(ranks=args.ranks, impl=args.impl, tasks=[t.id for t in runnable],
-                          assignments=args.assignments, timeout=args.timeout,
-                          comm_timeout=args.comm_timeout, progress=progress)
+        opts = RunOptions(
+            ranks=args.ranks,
+            impl=args.impl,
+            tasks=[t.id for t in runnable],
+            assignments=args.assignments,
+            timeout=args.timeout,
+            comm_timeout=args.comm_timeout,
+            progress=progress,
+        )
         results, problems = run_tests(opts)
     progress.close()
     scores = report.score_tasks(tasks, results, problems)

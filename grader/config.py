@@ -1,7 +1,8 @@
 """The rubric (``grader/rubric.toml``) and where things are: one place every grader tool reads.
 
 An *assignment* is a reference file of the framework (or the files of a reference package) with
-its solution regions cut out; a *task* is one region (or a few) with a title and points. Task ids are ``"<assignment>.<k>"``, so task
+its solution regions cut out; a *task* is one region (or a few) with a title and points. Task ids
+are ``"<assignment>.<k>"``, so task
 "1.3" belongs to assignment 1.
 """
 
@@ -102,9 +103,11 @@ def _paths(entry, key: str, where: str) -> tuple[str, ...]:
     if len(paths) > 1:
         package = paths[0].removesuffix("/__init__.py")
         if not paths[0].endswith("/__init__.py") or not all(p.startswith(package + "/") for p in paths):
-            raise ValueError(f"{where}: a {key} of several files is a package: list its __init__.py first, "
-                             f"then its other files ({paths[0]} is not a __init__.py, or a file is outside "
-                             f"{package}/)")
+            raise ValueError(
+                f"{where}: a {key} of several files is a package: list its __init__.py first, "
+                f"then its other files ({paths[0]} is not a __init__.py, or a file is outside "
+                f"{package}/)"
+            )
     return paths
 
 
@@ -139,7 +142,7 @@ def load_rubric(path: Path = RUBRIC) -> Rubric:
     tasks = {}
     for tid, entry in data.get("task", {}).items():
         if "title" not in entry or "points" not in entry:
-            raise ValueError(f"{path}: [task.\"{tid}\"] needs a title and points")
+            raise ValueError(f'{path}: [task."{tid}"] needs a title and points')
         tasks[tid] = Task(tid, entry["title"], float(entry["points"]))
     assignments = {}
     for aid, entry in data.get("assignment", {}).items():
@@ -150,11 +153,19 @@ def load_rubric(path: Path = RUBRIC) -> Rubric:
         where = f"{path}: [assignment.{aid}]"
         references, files = _paths(entry["reference"], "reference", where), _paths(entry["file"], "file", where)
         if len(references) != len(files):
-            raise ValueError(f"{where}: {len(references)} reference files but {len(files)} assignment files; "
-                             "list one assignment file for each reference file, in the same order")
+            raise ValueError(
+                f"{where}: {len(references)} reference files but {len(files)} assignment files; "
+                "list one assignment file for each reference file, in the same order"
+            )
         assignments[aid] = Assignment(
-            aid, entry["title"], entry["name"], references, files,
-            entry.get("handout", ""), tuple(entry.get("reference_tests", ())), own,
+            aid,
+            entry["title"],
+            entry["name"],
+            references,
+            files,
+            entry.get("handout", ""),
+            tuple(entry.get("reference_tests", ())),
+            own,
         )
     orphans = [t.id for t in tasks.values() if t.assignment not in assignments]
     if orphans:

@@ -16,10 +16,33 @@ from .config import ROOT, Assignment
 # mpi4py's collectives (the upper-case, buffer-based ones and the lower-case pickle-based ones
 # whose names differ from ours). Point-to-point calls (Isend, Irecv, Sendrecv, ...) are allowed.
 MPI_COLLECTIVES = {
-    "Allreduce", "Iallreduce", "Reduce", "Ireduce", "Reduce_scatter", "Reduce_scatter_block",
-    "Ireduce_scatter", "Ireduce_scatter_block", "Allgather", "Allgatherv", "Iallgather",
-    "Iallgatherv", "Alltoall", "Alltoallv", "Alltoallw", "Ialltoall", "Ialltoallv", "Bcast", "Ibcast",
-    "Gather", "Gatherv", "Scatter", "Scatterv", "allreduce", "allgather", "alltoall", "bcast",
+    "Allreduce",
+    "Iallreduce",
+    "Reduce",
+    "Ireduce",
+    "Reduce_scatter",
+    "Reduce_scatter_block",
+    "Ireduce_scatter",
+    "Ireduce_scatter_block",
+    "Allgather",
+    "Allgatherv",
+    "Iallgather",
+    "Iallgatherv",
+    "Alltoall",
+    "Alltoallv",
+    "Alltoallw",
+    "Ialltoall",
+    "Ialltoallv",
+    "Bcast",
+    "Ibcast",
+    "Gather",
+    "Gatherv",
+    "Scatter",
+    "Scatterv",
+    "allreduce",
+    "allgather",
+    "alltoall",
+    "bcast",
 }
 
 
@@ -99,8 +122,12 @@ def _file_problems(a: Assignment, path: Path, shown: str, reexported: set[str]) 
         elif isinstance(node, ast.Attribute) and node.attr in MPI_COLLECTIVES:
             bad(node, f"calls MPI's own collective .{node.attr}(); write it from point-to-point messages")
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                and node.value.id in aliases and (node.attr == leaf or node.attr in reexported)):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and (node.attr == leaf or node.attr in reexported)
+        ):
             bad(node, f"uses {node.value.id}.{node.attr} from {package}, which is the reference's")
     return [text for _, text in sorted(set(found))]
 
@@ -118,6 +145,8 @@ def refusal(a: Assignment, found: list[str]) -> str:
         return f"cannot grade {a.file}: {found[0]}"
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     lines = "\n  ".join(found)
-    return (f"refusing to grade {a.file}: {found[0]}{more}\n"
-            f"An assignment must contain its own implementation, but\n  {lines}\n"
-            "Remove these and use only point-to-point messages (c.exchange(...), tinytrain.distributed.p2p).")
+    return (
+        f"refusing to grade {a.file}: {found[0]}{more}\n"
+        f"An assignment must contain its own implementation, but\n  {lines}\n"
+        "Remove these and use only point-to-point messages (c.exchange(...), tinytrain.distributed.p2p)."
+    )

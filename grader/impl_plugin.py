@@ -48,14 +48,30 @@ _rubric = load_rubric()
 
 def pytest_addoption(parser):
     g = parser.getgroup("tinytrain grader")
-    g.addoption("--impl", choices=("reference", "assignments", "all"), default=None,
-                help="code graded tests run against (default: all; assignments in a student release)")
-    g.addoption("--assignments", metavar="DIR", default=None,
-                help="load assignment files from DIR instead of the repository's assignments/")
-    g.addoption("--tasks", metavar="PATTERNS", default=None,
-                help="run only graded tests of these tasks, comma-separated globs: 1.*,2.3")
-    g.addoption("--grader-log", metavar="FILE", default=None,
-                help="rank 0 appends JSON lines with each test's agreed outcome (used by python -m grader)")
+    g.addoption(
+        "--impl",
+        choices=("reference", "assignments", "all"),
+        default=None,
+        help="code graded tests run against (default: all; assignments in a student release)",
+    )
+    g.addoption(
+        "--assignments",
+        metavar="DIR",
+        default=None,
+        help="load assignment files from DIR instead of the repository's assignments/",
+    )
+    g.addoption(
+        "--tasks",
+        metavar="PATTERNS",
+        default=None,
+        help="run only graded tests of these tasks, comma-separated globs: 1.*,2.3",
+    )
+    g.addoption(
+        "--grader-log",
+        metavar="FILE",
+        default=None,
+        help="rank 0 appends JSON lines with each test's agreed outcome (used by python -m grader)",
+    )
 
 
 def pytest_configure(config):
@@ -117,8 +133,9 @@ def _load_package(a, folder: Path):
     must find this copy, so it replaces any other copy of the package in ``sys.modules``."""
     for loaded in [m for m in sys.modules if m == a.module or m.startswith(a.module + ".")]:
         del sys.modules[loaded]
-    spec = importlib.util.spec_from_file_location(a.module, folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
+    spec = importlib.util.spec_from_file_location(
+        a.module, folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[a.module] = module
     spec.loader.exec_module(module)
@@ -158,9 +175,12 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             for prefix, a in removed.items():
                 if item.nodeid.startswith(prefix):
-                    item.add_marker(pytest.mark.skip(
-                        reason=f"tests the reference solution of assignment {a.id}, which this student "
-                               f"copy does not contain; grade your {a.file} with python -m grader"))
+                    item.add_marker(
+                        pytest.mark.skip(
+                            reason=f"tests the reference solution of assignment {a.id}, which this student "
+                            f"copy does not contain; grade your {a.file} with python -m grader"
+                        )
+                    )
 
 
 # --- NotImplementedError("TODO ...") is a skip -----------------------------------------------------

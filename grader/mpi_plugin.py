@@ -83,8 +83,10 @@ def _silence(config) -> None:
 
 
 def pytest_report_header(config):
-    return f"tinytrain MPI harness: {_size} rank(s), TINYTRAIN_TIMEOUT={os.environ['TINYTRAIN_TIMEOUT']}s, " \
-           f"TINYTRAIN_DEBUG={os.environ['TINYTRAIN_DEBUG']}"
+    return (
+        f"tinytrain MPI harness: {_size} rank(s), TINYTRAIN_TIMEOUT={os.environ['TINYTRAIN_TIMEOUT']}s, "
+        f"TINYTRAIN_DEBUG={os.environ['TINYTRAIN_DEBUG']}"
+    )
 
 
 # --- one test --------------------------------------------------------------------------------------
@@ -144,7 +146,7 @@ def pytest_runtest_makereport(item, call):
     """When a phase ends in an exception on this rank, tell the other ranks now: they may be
     waiting for this rank in a collective. Also for skips (``pytest.skip``, a TODO stub raising
     NotImplementedError): the peers must not wait for their deadline either."""
-    outcome = yield
+    yield
     if call.excinfo is not None and call.when != "teardown":
         from tinytrain.distributed import watchdog
 

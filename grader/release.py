@@ -55,11 +55,16 @@ def make_release(out: Path, root: Path = ROOT) -> list[str]:
         else:
             shutil.copy2(root / rel, dest)
         # (grader/ itself only shows markers as examples)
-        if rel.endswith(".py") and not rel.startswith("grader/") and any(
-                BEGIN.match(line) for line in dest.read_text().splitlines()):
+        if (
+            rel.endswith(".py")
+            and not rel.startswith("grader/")
+            and any(BEGIN.match(line) for line in dest.read_text().splitlines())
+        ):
             shutil.rmtree(out)
-            raise ValueError(f"{rel} has solution regions but is not the reference of any assignment in "
-                             "grader/rubric.toml; add it there (or remove the markers) before releasing")
+            raise ValueError(
+                f"{rel} has solution regions but is not the reference of any assignment in "
+                "grader/rubric.toml; add it there (or remove the markers) before releasing"
+            )
         written.append(rel)
     (out / RELEASE_MARKER.relative_to(ROOT)).write_text(RELEASE_NOTE)
     return written
@@ -81,6 +86,8 @@ def main(out: str) -> int:
     except (FileExistsError, ValueError) as exc:
         print(f"error: {exc}")
         return 2
-    print(f"wrote a student copy of {len(files)} files to {out}: solution regions stubbed, "
-          f"--impl defaults to assignments there")
+    print(
+        f"wrote a student copy of {len(files)} files to {out}: solution regions stubbed, "
+        f"--impl defaults to assignments there"
+    )
     return 0

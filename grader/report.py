@@ -80,8 +80,9 @@ def table(scores: list[TaskScore], width: int = 100) -> str:
         pts = f"{s.score:g}/{s.task.points:g}"
         rows.append(f"{s.task.id:<5} {s.task.title[:48]:<48} {pts:>9}  {s.status}")
         if s.reason:
-            rows += textwrap.wrap(s.reason, width, initial_indent=" " * 6, subsequent_indent=" " * 8,
-                                  max_lines=4, break_on_hyphens=False)
+            rows += textwrap.wrap(
+                s.reason, width, initial_indent=" " * 6, subsequent_indent=" " * 8, max_lines=4, break_on_hyphens=False
+            )
     total, most = sum(s.score for s in scores), sum(s.task.points for s in scores)
     rows.append(f"{'':<5} {'total':<48} {f'{total:g}/{most:g}':>9}")
     return "\n".join(rows)
@@ -119,14 +120,19 @@ def write_results(scores: list[TaskScore], out_dir: Path, problems: list[str]) -
     results = out_dir / "results.json"
     results.write_text(json.dumps(gradescope, indent=2) + "\n")
 
-    suite = ET.Element("testsuite", name="tinytrain grader", tests=str(sum(len(s.tests) for s in scores)),
-                       failures=str(sum(r.outcome == "failed" for s in scores for r in s.tests)),
-                       skipped=str(sum(r.outcome in ("todo", "skipped") for s in scores for r in s.tests)))
+    suite = ET.Element(
+        "testsuite",
+        name="tinytrain grader",
+        tests=str(sum(len(s.tests) for s in scores)),
+        failures=str(sum(r.outcome == "failed" for s in scores for r in s.tests)),
+        skipped=str(sum(r.outcome in ("todo", "skipped") for s in scores for r in s.tests)),
+    )
     for s in scores:
         for r in s.tests:
             path, _, name = r.nodeid.rpartition("::")
-            case = ET.SubElement(suite, "testcase", classname=f"task {s.task.id}: {path}", name=name,
-                                 time=f"{r.seconds:.3f}")
+            case = ET.SubElement(
+                suite, "testcase", classname=f"task {s.task.id}: {path}", name=name, time=f"{r.seconds:.3f}"
+            )
             if r.outcome == "failed":
                 ET.SubElement(case, "failure", message=r.message[:500]).text = r.output
             elif r.outcome in ("todo", "skipped"):

@@ -59,9 +59,25 @@ def mpi_environment() -> dict:
 def _command(opts: RunOptions, log: Path, nodeids: list[str] | None) -> list[str]:
     mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
     if mpirun is None:
-        raise RuntimeError("mpirun not found: pip install mpich (it is in the [dev] extra), or put your MPI's mpirun on PATH")
-    cmd = [mpirun, "-n", str(opts.ranks), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "--impl", opts.impl, "--grader-log", str(log), "--tasks=" + ",".join(opts.tasks)]
+        raise RuntimeError(
+            "mpirun not found: pip install mpich (it is in the [dev] extra), or put your MPI's mpirun on PATH"
+        )
+    cmd = [
+        mpirun,
+        "-n",
+        str(opts.ranks),
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--impl",
+        opts.impl,
+        "--grader-log",
+        str(log),
+        "--tasks=" + ",".join(opts.tasks),
+    ]
     if opts.assignments:
         cmd += ["--assignments", str(opts.assignments)]
     return cmd + (nodeids if nodeids else [opts.tests])
@@ -88,8 +104,9 @@ def _one_run(opts: RunOptions, nodeids: list[str] | None, workdir: Path, on_even
     env["TINYTRAIN_TIMEOUT"] = str(opts.comm_timeout)
     env["TINYTRAIN_TEST_TIMEOUT"] = str(opts.timeout)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    proc = subprocess.Popen(_command(opts, log, nodeids), cwd=ROOT, env=env, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        _command(opts, log, nodeids), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
     pos, last = 0, time.monotonic()
     ended = "finished"
     while True:
@@ -142,8 +159,9 @@ def run_tests(opts: RunOptions) -> tuple[list[TestResult], list[str]]:
             state["current"], state["started"] = ev["nodeid"], time.monotonic()
         elif ev["event"] == "done":
             task = next((t["task"] for t in planned if t["nodeid"] == ev["nodeid"]), None) or "?"
-            r = TestResult(ev["nodeid"], task, ev["outcome"], ev["message"], ev["output"],
-                           time.monotonic() - state["started"])
+            r = TestResult(
+                ev["nodeid"], task, ev["outcome"], ev["message"], ev["output"], time.monotonic() - state["started"]
+            )
             results[r.nodeid] = r
             state["current"] = None
             if opts.progress:
@@ -162,12 +180,10 @@ def run_tests(opts: RunOptions) -> tuple[list[TestResult], list[str]]:
                 problems.append(f"the run {ended}, between tests:\n{tail}")
             else:
                 task = next((t["task"] for t in planned if t["nodeid"] == current), "?")
-                results[current] = TestResult(current, task, "failed", ended,
-                                              f"{ended}\n\nlast output:\n{tail}")
+                results[current] = TestResult(current, task, "failed", ended, f"{ended}\n\nlast output:\n{tail}")
                 failed_tasks.add(task)
                 state["current"] = None
-            remaining = [t["nodeid"] for t in planned
-                         if t["nodeid"] not in results and t["task"] not in failed_tasks]
+            remaining = [t["nodeid"] for t in planned if t["nodeid"] not in results and t["task"] not in failed_tasks]
             if not remaining:
                 break
     return [results[t["nodeid"]] for t in planned if t["nodeid"] in results], problems

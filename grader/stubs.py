@@ -16,7 +16,8 @@ From the reference, this module makes three texts:
   says where it came from. An assignment of several files (a reference package) becomes an
   assignment package: each file's imports of its sibling reference files become imports of the
   sibling assignment files (``tinytrain.parallel.tensor_parallel.layers`` ->
-  ``assignments.a4_tensor_parallel.layers``), so the stubs import each other, never the reference. Signatures and docstrings are outside the regions, so they stay.
+  ``assignments.a4_tensor_parallel.layers``), so the stubs import each other, never the reference.
+  Signatures and docstrings are outside the regions, so they stay.
 * the **released reference** (``python -m grader release``): the same stubs, imports untouched.
 * the **solved assignment**: markers dropped, solutions kept, imports absolute. The grader's own
   tests plant bugs in it to check that the grader notices them.
@@ -133,7 +134,7 @@ def _header(a: Assignment, reference: str) -> list[str]:
     return [
         f"# Assignment {a.id}: {a.title}{handout}.",
         f"# Generated from {reference} by `python -m grader stubs`. Replace each",
-        "# `raise NotImplementedError(\"TODO ...\")` with your code; grade it with `python -m grader`.",
+        '# `raise NotImplementedError("TODO ...")` with your code; grade it with `python -m grader`.',
         "",
     ]
 
@@ -141,10 +142,14 @@ def _header(a: Assignment, reference: str) -> list[str]:
 def _check_tasks(regions: list[Region], a: Assignment, rubric: Rubric, path: str) -> None:
     for r in regions:
         if r.task not in rubric.tasks:
-            raise MarkerError(f"{path}:{r.begin + 1}: task {r.task} is not in grader/rubric.toml; add [task.\"{r.task}\"]")
+            raise MarkerError(
+                f'{path}:{r.begin + 1}: task {r.task} is not in grader/rubric.toml; add [task."{r.task}"]'
+            )
         if rubric.tasks[r.task].assignment != a.id:
-            raise MarkerError(f"{path}:{r.begin + 1}: task {r.task} belongs to assignment "
-                              f"{rubric.tasks[r.task].assignment}, but this file is assignment {a.id}'s reference")
+            raise MarkerError(
+                f"{path}:{r.begin + 1}: task {r.task} belongs to assignment "
+                f"{rubric.tasks[r.task].assignment}, but this file is assignment {a.id}'s reference"
+            )
 
 
 def assignment_texts(a: Assignment, rubric: Rubric, root: Path = ROOT, solved: bool = False) -> dict[str, str]:
@@ -165,8 +170,9 @@ def assignment_texts(a: Assignment, rubric: Rubric, root: Path = ROOT, solved: b
     return out
 
 
-def assignment_text(a: Assignment, rubric: Rubric, root: Path = ROOT, solved: bool = False,
-                    file: str | None = None) -> str:
+def assignment_text(
+    a: Assignment, rubric: Rubric, root: Path = ROOT, solved: bool = False, file: str | None = None
+) -> str:
     """The text of one assignment file: ``file``, or the only file of a one-file assignment."""
     texts = assignment_texts(a, rubric, root, solved)
     if file is None and len(texts) > 1:
@@ -193,8 +199,12 @@ def write_stubs(root: Path = ROOT, check: bool = False) -> tuple[list[str], str]
             if have == want:
                 continue
             stale.append(file)
-            diffs += difflib.unified_diff(have.splitlines(True), want.splitlines(True),
-                                          f"{file} (checked in)", f"{file} (generated from {reference})")
+            diffs += difflib.unified_diff(
+                have.splitlines(True),
+                want.splitlines(True),
+                f"{file} (checked in)",
+                f"{file} (generated from {reference})",
+            )
             if not check:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(want)
@@ -204,8 +214,10 @@ def write_stubs(root: Path = ROOT, check: bool = False) -> tuple[list[str], str]
 def main(check: bool) -> int:
     """``python -m grader stubs [--check]``."""
     if is_release():
-        print("This is a student copy: the assignment files are yours to edit, and their reference "
-              "solutions are not here, so there is nothing to regenerate.")
+        print(
+            "This is a student copy: the assignment files are yours to edit, and their reference "
+            "solutions are not here, so there is nothing to regenerate."
+        )
         return 2
     try:
         stale, diff = write_stubs(check=check)

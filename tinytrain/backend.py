@@ -60,7 +60,7 @@ def _load_cupy():
     except Exception as exc:  # ImportError, or a broken CUDA install raising at import
         raise BackendError(
             "TINYTRAIN_DEVICE=gpu but CuPy cannot be imported "
-            f"({type(exc).__name__}: {exc}). Install it with `pip install -e \".[gpu]\"` "
+            f'({type(exc).__name__}: {exc}). Install it with `pip install -e ".[gpu]"` '
             "or run on the CPU with TINYTRAIN_DEVICE=cpu."
         ) from exc
     try:
@@ -86,9 +86,7 @@ def _load_cupy():
 def _choose():
     setting = os.environ.get("TINYTRAIN_DEVICE", "auto").strip().lower() or "auto"
     if setting not in _CHOICES:
-        raise BackendError(
-            f"TINYTRAIN_DEVICE={setting!r} is not one of {', '.join(_CHOICES)}."
-        )
+        raise BackendError(f"TINYTRAIN_DEVICE={setting!r} is not one of {', '.join(_CHOICES)}.")
     if setting == "cpu":
         return numpy, "cpu"
     if setting == "gpu":

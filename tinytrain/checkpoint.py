@@ -121,8 +121,13 @@ def commit(folder, step: int, world_size: int, tensors: dict, meta: dict) -> Non
     missing = [r for r in range(world_size) if not (folder / name / f"rank-{r:05d}.json").is_file()]
     if missing:
         raise RuntimeError(f"checkpoint step {step}: ranks {missing} wrote no pieces; the previous checkpoint stays")
-    manifest = {"format": FORMAT, "folder": name, "world_size": world_size,
-                "tensors": {k: list(v) for k, v in tensors.items()}, **meta}
+    manifest = {
+        "format": FORMAT,
+        "folder": name,
+        "world_size": world_size,
+        "tensors": {k: list(v) for k, v in tensors.items()},
+        **meta,
+    }
     _fsync_dir(folder / name)
     _atomic_write(folder / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     _fsync_dir(folder)
@@ -179,17 +184,20 @@ class Reader:
                 where.cut(covered)[...] = True
             else:
                 size = where.cut(full).size
-                values, filled = flats.setdefault((where.axis, where.start, where.stop),
-                                                  (numpy.zeros(size, array.dtype), numpy.zeros(size, bool)))
-                values[piece.flat_start:piece.flat_stop] = array.reshape(-1)
-                filled[piece.flat_start:piece.flat_stop] = True
+                values, filled = flats.setdefault(
+                    (where.axis, where.start, where.stop), (numpy.zeros(size, array.dtype), numpy.zeros(size, bool))
+                )
+                values[piece.flat_start : piece.flat_stop] = array.reshape(-1)
+                filled[piece.flat_start : piece.flat_stop] = True
         for (axis, start, stop), (values, filled) in flats.items():
             where = Placement(name, axis, start, stop)
             where.cut(full)[...] = values.reshape(where.cut(full).shape)
             where.cut(covered)[...] = filled.reshape(where.cut(covered).shape)
         if full is None or not covered.all():
-            raise ValueError(f"checkpoint {self.folder}: the pieces of {name!r} ({field}) do not cover it; "
-                             "a rank's file is missing or damaged")
+            raise ValueError(
+                f"checkpoint {self.folder}: the pieces of {name!r} ({field}) do not cover it; "
+                "a rank's file is missing or damaged"
+            )
         return full
 
 
@@ -231,7 +239,7 @@ def restore(reader: Reader, named, optimizer, zero_shards=None) -> None:
 
         def mine(field, placement=placement, s=s):
             local = placement.cut(reader.read(placement.name, field))
-            return xp.asarray(local.reshape(-1)[s.start:s.stop].copy() if s is not None else local)
+            return xp.asarray(local.reshape(-1)[s.start : s.stop].copy() if s is not None else local)
 
         if s is not None and s.data is not None:  # ZeRO-3: the parameter lives as my piece
             s.data = mine("param")

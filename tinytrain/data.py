@@ -5,10 +5,10 @@ draws the *global* batch, and a data-parallel rank takes its rows with ``shard_r
 with batch B each see exactly what one process with batch N·B sees, and a resumed run continues
 with exactly the batches it would have drawn.
 
-The addition task (3 digits shown; the default is 2): ``"347+085=2340"`` is 347 + 85 = 432 with the answer written *reversed*
-(least significant digit first, as a person adds), a classic small-transformer task with an
-exact-match accuracy. The loss is taken on the answer digits only (the prompt's targets are set
-to ``IGNORE``), so the loss and the accuracy measure the same thing.
+The addition task (3 digits shown; the default is 2): ``"347+085=2340"`` is 347 + 85 = 432 with
+the answer written *reversed* (least significant digit first, as a person adds), a classic
+small-transformer task with an exact-match accuracy. The loss is taken on the answer digits only
+(the prompt's targets are set to ``IGNORE``), so the loss and the accuracy measure the same thing.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def shard_rows(batch, rank: int, world: int):
     if n % world:
         raise ValueError(f"global batch of {n} rows does not split over {world} ranks; choose a multiple of {world}")
     per = n // world
-    return batch[rank * per:(rank + 1) * per]
+    return batch[rank * per : (rank + 1) * per]
 
 
 def replica_batch(x, y, rank: int, world: int):
@@ -96,7 +96,7 @@ class AdditionDataset:
         """Share of ``count`` problems whose whole answer ``generate(prompts, n)`` gets right."""
         rng = numpy.random.default_rng([seed, 2**31 - 1])
         seqs = self.render(*self.problems(split, count, rng))
-        prompts, answers = seqs[:, : self.prompt_len], seqs[:, self.prompt_len:]
+        prompts, answers = seqs[:, : self.prompt_len], seqs[:, self.prompt_len :]
         produced = generate(prompts, answers.shape[1])
         return float((produced == answers).all(axis=1).mean())
 
@@ -134,8 +134,8 @@ class CharDataset:
         data = self.splits[split]
         rng = numpy.random.default_rng([seed, step, 0 if split == "train" else 1])
         starts = rng.integers(0, len(data) - self.block_size, size=batch_size)  # last start: len - block - 1
-        x = numpy.stack([data[s:s + self.block_size] for s in starts])
-        y = numpy.stack([data[s + 1:s + self.block_size + 1] for s in starts])
+        x = numpy.stack([data[s : s + self.block_size] for s in starts])
+        y = numpy.stack([data[s + 1 : s + self.block_size + 1] for s in starts])
         return x, y
 
 

@@ -96,8 +96,8 @@ class SGD(Optimizer):
 class AdamW(Optimizer):
     """Adam with bias correction and decoupled weight decay (Loshchilov & Hutter):
 
-        m = β1·m + (1-β1)·g          v = β2·v + (1-β2)·g²
-        p -= lr · ( m/(1-β1^t) / (sqrt(v/(1-β2^t)) + eps)  +  wd·p )
+    m = β1·m + (1-β1)·g          v = β2·v + (1-β2)·g²
+    p -= lr · ( m/(1-β1^t) / (sqrt(v/(1-β2^t)) + eps)  +  wd·p )
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
@@ -143,7 +143,9 @@ class WarmupCosine:
     """Linear warmup from 0 to ``base_lr`` over ``warmup`` steps, then a cosine decay to
     ``min_lr`` at ``total`` steps (and ``min_lr`` after). Call ``step()`` once per update."""
 
-    def __init__(self, optimizer: Optimizer, warmup: int, total: int, min_lr: float = 0.0, base_lr: float | None = None):
+    def __init__(
+        self, optimizer: Optimizer, warmup: int, total: int, min_lr: float = 0.0, base_lr: float | None = None
+    ):
         if total <= 0 or warmup < 0 or warmup > total:
             raise ValueError(f"need 0 <= warmup <= total and total > 0, got warmup={warmup}, total={total}")
         self.optimizer, self.warmup, self.total, self.min_lr = optimizer, warmup, total, min_lr

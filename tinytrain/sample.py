@@ -24,7 +24,7 @@ def generate(model: GPT, ids, new_tokens: int, temperature: float = 0.0, rng=Non
     out = []
     with no_grad():
         for _ in range(new_tokens):
-            context = ids[:, -model.config.block_size:]
+            context = ids[:, -model.config.block_size :]
             logits = to_host(model(xp.asarray(context)).data[:, -1, :]).astype(numpy.float64)
             if temperature <= 0:
                 nxt = logits.argmax(axis=-1)
@@ -40,7 +40,9 @@ def generate(model: GPT, ids, new_tokens: int, temperature: float = 0.0, rng=Non
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", default="runs/latest/ckpt", help="checkpoint folder written by `tinytrain train` (any layout)")
+    p.add_argument(
+        "--ckpt", default="runs/latest/ckpt", help="checkpoint folder written by `tinytrain train` (any layout)"
+    )
     p.add_argument("--prompt", default=None, help="text to continue (default: a validation problem or a newline)")
     p.add_argument("--tokens", type=int, default=None, help="how many tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

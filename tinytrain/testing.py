@@ -68,9 +68,7 @@ def gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-4, seed=0, what="") -> bo
         x = inputs[i]
         analytic = numpy.zeros(x.shape) if x.grad is None else _host(x.grad)
         if analytic.shape != x.shape:
-            raise AssertionError(
-                f"gradcheck{where}: input {i} has shape {x.shape} but its gradient {analytic.shape}"
-            )
+            raise AssertionError(f"gradcheck{where}: input {i} has shape {x.shape} but its gradient {analytic.shape}")
         numeric = numpy.zeros(x.shape)
         flat = x.data.reshape(-1)  # a view: writing it perturbs the input in place
         for j in range(flat.size):

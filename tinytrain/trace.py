@@ -73,9 +73,7 @@ def record(name: str, cat: str, start: float, end: float, **args) -> None:
     """Record a finished span from ``start`` to ``end`` (values from :func:`now`)."""
     if not enabled:
         return
-    _spans.append(
-        {"name": name, "cat": cat, "rank": _my_rank(), "start": start, "end": end, "args": args}
-    )
+    _spans.append({"name": name, "cat": cat, "rank": _my_rank(), "start": start, "end": end, "args": args})
 
 
 @contextlib.contextmanager
@@ -146,5 +144,15 @@ def read_chrome(path: str) -> list[dict]:
     """The spans of a file written by :func:`write_chrome` (the inverse of :func:`to_chrome`)."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    return [{"name": e["name"], "cat": e["cat"], "rank": e["pid"], "start": e["ts"], "end": e["ts"] + e["dur"],
-             "args": e.get("args", {})} for e in events if e.get("ph") == "X"]
+    return [
+        {
+            "name": e["name"],
+            "cat": e["cat"],
+            "rank": e["pid"],
+            "start": e["ts"],
+            "end": e["ts"] + e["dur"],
+            "args": e.get("args", {}),
+        }
+        for e in events
+        if e.get("ph") == "X"
+    ]

@@ -42,8 +42,17 @@ def pipeline_events(spans: list) -> list:
     if not rows:
         raise ValueError("the trace has no forward/backward spans: was it recorded with tracing on?")
     t0 = min(s["start"] for s in rows)
-    return [(s["rank"], "F" if s["cat"] == "forward" else "B", s["args"]["microbatch"], s["args"].get("chunk", 0),
-             (s["start"] - t0) / 1e3, (s["end"] - t0) / 1e3) for s in rows]
+    return [
+        (
+            s["rank"],
+            "F" if s["cat"] == "forward" else "B",
+            s["args"]["microbatch"],
+            s["args"].get("chunk", 0),
+            (s["start"] - t0) / 1e3,
+            (s["end"] - t0) / 1e3,
+        )
+        for s in rows
+    ]
 
 
 def bubble_share(events: list) -> float:
@@ -54,8 +63,9 @@ def bubble_share(events: list) -> float:
     return 1.0 - busy / (len(stages) * (end - start))
 
 
-def plot_pipeline(events: list, ax=None, title: str | None = None, formula: float | None = None, path=None,
-                  unit_ms: bool = False):
+def plot_pipeline(
+    events: list, ax=None, title: str | None = None, formula: float | None = None, path=None, unit_ms: bool = False
+):
     """A Gantt chart: one row per stage, forward (solid) and backward (hatched) blocks coloured by
     micro-batch and labelled ``F3`` / ``B3`` (``.c`` for chunk c), white gaps are the bubbles."""
     own = ax is None
@@ -64,9 +74,17 @@ def plot_pipeline(events: list, ax=None, title: str | None = None, formula: floa
     n_mb = 1 + max(e[2] for e in events)
     colours = plt.get_cmap("tab20" if n_mb > 10 else "tab10")
     for stage, kind, mb, chunk, start, end in events:
-        ax.barh(stage, end - start, left=start, height=0.8, color=colours(mb % colours.N),
-                alpha=1.0 if kind == "F" else 0.55, hatch=None if kind == "F" else "//",
-                edgecolor="black", linewidth=0.4)
+        ax.barh(
+            stage,
+            end - start,
+            left=start,
+            height=0.8,
+            color=colours(mb % colours.N),
+            alpha=1.0 if kind == "F" else 0.55,
+            hatch=None if kind == "F" else "//",
+            edgecolor="black",
+            linewidth=0.4,
+        )
         label = f"{kind}{mb}" + (f".{chunk}" if chunk else "")
         if end - start > 0.02 * max(e[5] for e in events):
             ax.text((start + end) / 2, stage, label, ha="center", va="center", fontsize=7)
@@ -85,16 +103,25 @@ def plot_pipeline(events: list, ax=None, title: str | None = None, formula: floa
     return ax
 
 
-def compare_pipelines(named_events: list, path=None, formulas: list | None = None, sharex: bool = True,
-                      units_ms: list | None = None):
+def compare_pipelines(
+    named_events: list, path=None, formulas: list | None = None, sharex: bool = True, units_ms: list | None = None
+):
     """Several Gantt charts stacked: e.g. GPipe, 1F1B and interleaved 1F1B on one time axis, or
     (``sharex=False``) a simulated schedule above a measured one, each on its own time axis."""
     heights = [1 + len({e[0] for e in ev}) for _, ev in named_events]
-    fig, axes = plt.subplots(len(named_events), 1, figsize=(10, 0.55 * sum(heights) + 1), dpi=120,
-                             sharex=sharex, gridspec_kw={"height_ratios": heights}, squeeze=False)
+    fig, axes = plt.subplots(
+        len(named_events),
+        1,
+        figsize=(10, 0.55 * sum(heights) + 1),
+        dpi=120,
+        sharex=sharex,
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
     for i, ((name, events), ax) in enumerate(zip(named_events, axes[:, 0])):
-        plot_pipeline(events, ax=ax, title=name, formula=formulas[i] if formulas else None,
-                      unit_ms=bool(units_ms and units_ms[i]))
+        plot_pipeline(
+            events, ax=ax, title=name, formula=formulas[i] if formulas else None, unit_ms=bool(units_ms and units_ms[i])
+        )
     fig.tight_layout()
     if path:
         fig.savefig(path)
@@ -146,9 +173,13 @@ def plot_timeline(spans: list[dict], path, title: str | None = None) -> None:
     fig, ax = plt.subplots(figsize=(9, 0.8 + 0.7 * len(ranks)), dpi=120)
     for s in sorted(spans, key=lambda s: _lane(s["cat"])[2], reverse=True):  # steps on top of calls
         key, offset, height = _lane(s["cat"])
-        ax.broken_barh([((s["start"] - t0) / 1e3, max((s["end"] - s["start"]) / 1e3, 1e-3))],
-                       (ranks.index(s["rank"]) + offset, height), facecolors=_SPAN_COLORS[key],
-                       edgecolor="white", linewidth=0.3)
+        ax.broken_barh(
+            [((s["start"] - t0) / 1e3, max((s["end"] - s["start"]) / 1e3, 1e-3))],
+            (ranks.index(s["rank"]) + offset, height),
+            facecolors=_SPAN_COLORS[key],
+            edgecolor="white",
+            linewidth=0.3,
+        )
     ax.set_yticks([i + 0.4 for i in range(len(ranks))])
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()

@@ -56,13 +56,15 @@ class TensorParallelGPT(Parallel):
         super().__init__(group, sequence_parallel)
         config = model.config
         if config.n_experts or not config.tie_weights:
-            raise ValueError("tensor_parallel_gpt supports the plain GPT with tied weights: "
-                             "use n_experts=0, tie_weights=True")
+            raise ValueError(
+                "tensor_parallel_gpt supports the plain GPT with tied weights: use n_experts=0, tie_weights=True"
+            )
         self.config = config
         self.wte = VocabParallelEmbedding(model.wte, group)
         self.keep("wpe", replicate(model.wpe.weight, "wpe.weight"))
-        self.blocks = ModuleList(ParallelBlock(b, group, f"blocks.{i}", sequence_parallel)
-                                 for i, b in enumerate(model.blocks))
+        self.blocks = ModuleList(
+            ParallelBlock(b, group, f"blocks.{i}", sequence_parallel) for i, b in enumerate(model.blocks)
+        )
         self.ln_f = ReplicatedLayerNorm(model.ln_f, group, "ln_f", sequence_parallel)
         self.head = None  # the output head is the (vocab-parallel) token embedding, tied
         self.p, self.dropout_site = config.dropout, "drop"
@@ -101,8 +103,9 @@ class TensorParallelGPT(Parallel):
 
     def head_loss(self, x, targets, denominator=None):
         """The loss from the last block's output ``x`` (a pipeline's last stage starts here)."""
-        return vocab_parallel_cross_entropy(self.logits(x), targets, self.group, self.wte.start,
-                                            denominator=denominator)
+        return vocab_parallel_cross_entropy(
+            self.logits(x), targets, self.group, self.wte.start, denominator=denominator
+        )
 
     # --- the pipeline's stage protocol (pipeline.StageModel) --------------------------------------
 

@@ -6,8 +6,17 @@ import numpy as np
 import pytest
 
 import tinytrain.functional as F
-from tinytrain.autograd import Function, Parameter, Tensor, no_grad, enable_grad, saved_bytes, is_grad_enabled
-from tinytrain.autograd import peak_saved_bytes, reset_peak_saved_bytes
+from tinytrain.autograd import (
+    Function,
+    Parameter,
+    Tensor,
+    enable_grad,
+    is_grad_enabled,
+    no_grad,
+    peak_saved_bytes,
+    reset_peak_saved_bytes,
+    saved_bytes,
+)
 from tinytrain.testing import assert_close, gradcheck
 
 
@@ -79,12 +88,41 @@ def test_float32_stays_float32(rng):
     x.register_hook(lambda g: seen.append(g.dtype))
     w.register_hook(lambda g: seen.append(g.dtype))
     outs = [
-        x + 1.5, x * 2.0, x / 3.0, 2.0 / (x * x + 1), -x, (x * x + 1) ** 0.5, 2.0**x, x @ w, x.sum(), x.mean(axis=1),
-        x.max(axis=-1), x.max(), x.var(axis=(0, 2)), x.exp(), (x * x + 1).log(), (x * x + 1).sqrt(), x.tanh(),
-        x.relu(), F.gelu(x), x.softmax(), F.log_softmax(x), F.cross_entropy(x, np.zeros((2, 3), dtype=np.int64)),
-        x.reshape(-1), x.permute(2, 0, 1), x[0, 1:], x[np.array([1, 1])], F.concatenate([x, x], axis=1),
-        F.stack([x, x]), x.split(2, axis=-1)[1], x.masked_fill(x.data > 0, 0.0), F.embedding(np.array([0, 3]), w),
-        F.layer_norm(x, w[0], w[1]), F.dropout(x, 0.5), F.scaled_dot_product_attention(x, x, x), F.linear(x, w, w[0]),
+        x + 1.5,
+        x * 2.0,
+        x / 3.0,
+        2.0 / (x * x + 1),
+        -x,
+        (x * x + 1) ** 0.5,
+        2.0**x,
+        x @ w,
+        x.sum(),
+        x.mean(axis=1),
+        x.max(axis=-1),
+        x.max(),
+        x.var(axis=(0, 2)),
+        x.exp(),
+        (x * x + 1).log(),
+        (x * x + 1).sqrt(),
+        x.tanh(),
+        x.relu(),
+        F.gelu(x),
+        x.softmax(),
+        F.log_softmax(x),
+        F.cross_entropy(x, np.zeros((2, 3), dtype=np.int64)),
+        x.reshape(-1),
+        x.permute(2, 0, 1),
+        x[0, 1:],
+        x[np.array([1, 1])],
+        F.concatenate([x, x], axis=1),
+        F.stack([x, x]),
+        x.split(2, axis=-1)[1],
+        x.masked_fill(x.data > 0, 0.0),
+        F.embedding(np.array([0, 3]), w),
+        F.layer_norm(x, w[0], w[1]),
+        F.dropout(x, 0.5),
+        F.scaled_dot_product_attention(x, x, x),
+        F.linear(x, w, w[0]),
         x.astype(np.float64).astype(np.float32),
     ]
     for i, out in enumerate(outs):
@@ -129,6 +167,7 @@ def test_post_accumulate_hooks_fire_during_backward_in_order(rng):
         def hook(t):
             # runs after t.grad is complete, and before backward has reached the other leaf
             events.append((name, t.grad is not None, early.grad is None))
+
         return hook
 
     early.register_post_accumulate_grad_hook(record("early"))

@@ -80,7 +80,8 @@ def test_cross_entropy(rng, reduction, ignore_index):
     assert_close(loss, expected, atol=1e-12, what="cross_entropy forward")
     gradcheck(
         lambda x: F.cross_entropy(x, Tensor(targets), ignore_index=ignore_index, reduction=reduction),
-        [logits], what=f"cross_entropy {reduction}, ignore_index={ignore_index}",
+        [logits],
+        what=f"cross_entropy {reduction}, ignore_index={ignore_index}",
     )
     ignored = targets == ignore_index
     logits.grad = None
@@ -204,10 +205,16 @@ def test_scaled_dot_product_attention(rng, causal):
     v = T(rng.standard_normal(batch + (s, d)))
     out = F.scaled_dot_product_attention(q, k, v, causal=causal)
     assert_close(out, np_attention(q.data, k.data, v.data, causal), atol=1e-12, what="attention forward")
-    gradcheck(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, causal=causal), [q, k, v],
-              what=f"sdpa causal={causal} q{q.shape} k{k.shape}")
-    gradcheck(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, causal=causal, scale=0.3), [q, k, v],
-              what="sdpa with a given scale")
+    gradcheck(
+        lambda a, b, c: F.scaled_dot_product_attention(a, b, c, causal=causal),
+        [q, k, v],
+        what=f"sdpa causal={causal} q{q.shape} k{k.shape}",
+    )
+    gradcheck(
+        lambda a, b, c: F.scaled_dot_product_attention(a, b, c, causal=causal, scale=0.3),
+        [q, k, v],
+        what="sdpa with a given scale",
+    )
 
 
 def test_attention_broadcast_heads_and_causality(rng):

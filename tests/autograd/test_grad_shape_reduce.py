@@ -100,8 +100,15 @@ def test_transpose_and_permute(rng):
 
 def test_getitem_slices(rng):
     x = T(rng.standard_normal(rand_shape(rng, 3, lo=3, hi=5)))
-    for index in [1, -1, (slice(None), 0), (slice(1, None), slice(None, None, 2)), (Ellipsis, slice(None, None, -1)),
-                  (None, 0, slice(0, 2)), np.int64(1)]:
+    for index in [
+        1,
+        -1,
+        (slice(None), 0),
+        (slice(1, None), slice(None, None, 2)),
+        (Ellipsis, slice(None, None, -1)),
+        (None, 0, slice(0, 2)),
+        np.int64(1),
+    ]:
         assert_close(x[index], x.data[index], atol=0, what=f"x[{index}] forward")
         gradcheck(lambda t: t[index], [x], what=f"x[{index}]")
 

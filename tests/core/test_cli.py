@@ -15,8 +15,23 @@ from tinytrain import checkpoint
 from tinytrain.cli import main
 from tinytrain.data import AdditionDataset
 
-TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--batch-size", "8", "--eval-every", "3",
-        "--eval-batches", "1", "--warmup", "2", "--quiet"]
+TINY = [
+    "--layers",
+    "1",
+    "--width",
+    "32",
+    "--heads",
+    "2",
+    "--batch-size",
+    "8",
+    "--eval-every",
+    "3",
+    "--eval-batches",
+    "1",
+    "--warmup",
+    "2",
+    "--quiet",
+]
 
 
 def train(out, *extra):
@@ -73,9 +88,16 @@ def assert_same_run(a, b, ma, mb):
     assert ma["final"] == mb["final"]
 
 
-@pytest.mark.parametrize("extra", [
-    [], ["--dropout", "0.1"], ["--optimizer", "sgd"], ["--experts", "3", "--dropout", "0.1"],
-], ids=["plain", "dropout", "sgd", "moe"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--dropout", "0.1"],
+        ["--optimizer", "sgd"],
+        ["--experts", "3", "--dropout", "0.1"],
+    ],
+    ids=["plain", "dropout", "sgd", "moe"],
+)
 def test_resume_after_a_crash_is_exact(tmp_path, monkeypatch, extra):
     """A run that dies after its step-3 checkpoint and is resumed equals the uninterrupted run."""
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
@@ -152,14 +174,17 @@ def test_resume_with_another_model_shape_names_the_parameter(tmp_path, capsys):
     assert re.search(r"wte.weight: checkpoint shape \(12, 32\) != model shape \(12, 64\)", capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("bad,message", [
-    (["--steps", "0"], "--steps must be positive"),
-    (["--batch-size", "-1"], "--batch-size must be positive"),
-    (["--lr", "0"], "--lr must be positive"),
-    (["--steps", "3", "--warmup", "5"], "--warmup 5 is longer than --steps 3"),
-    (["--heads", "3", "--width", "32"], r"n_embd=32 is not divisible by n_head=3.*\[1, 2, 4, 8, 16, 32\]"),
-    (["--dropout", "1.0"], "dropout"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (["--steps", "0"], "--steps must be positive"),
+        (["--batch-size", "-1"], "--batch-size must be positive"),
+        (["--lr", "0"], "--lr must be positive"),
+        (["--steps", "3", "--warmup", "5"], "--warmup 5 is longer than --steps 3"),
+        (["--heads", "3", "--width", "32"], r"n_embd=32 is not divisible by n_head=3.*\[1, 2, 4, 8, 16, 32\]"),
+        (["--dropout", "1.0"], "dropout"),
+    ],
+)
 def test_bad_arguments_exit_with_a_clear_message(tmp_path, bad, message, capsys):
     args = [a for a in TINY]
     with pytest.raises(SystemExit) as exc:
@@ -188,7 +213,7 @@ def test_sample_prints_a_continuation(tmp_path, capsys):
     problem, _, reading = line.partition("   ")
     assert len(problem) == ds.seq_len and problem[2] == "+" and problem[5] == "="
     assert set(problem) <= set(ds.chars)
-    answer = problem[ds.prompt_len:]
+    answer = problem[ds.prompt_len :]
     if answer.isdigit():  # the sum is also printed the way a person reads it
         assert reading == f"(the model's sum: {int(answer[::-1])})"
     assert main(["sample", "--ckpt", ckpt, "--prompt", "12", "--tokens", "5"]) == 0
@@ -219,28 +244,56 @@ def test_train_and_sample_on_a_text_file(tmp_path, capsys):
 
 def test_module_help_in_a_subprocess():
     env = dict(os.environ, TINYTRAIN_DEVICE="cpu")
-    r = subprocess.run([sys.executable, "-m", "tinytrain.cli", "--help"], capture_output=True, text=True,
-                       env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "tinytrain.cli", "--help"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     for command in ("train", "sample", "bench"):
         assert command in r.stdout
-    r = subprocess.run([sys.executable, "-m", "tinytrain.cli", "train", "--help"], capture_output=True,
-                       text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "tinytrain.cli", "train", "--help"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert r.returncode == 0 and "--resume" in r.stdout and "--data" in r.stdout
 
 
 def test_bad_arguments_in_a_subprocess_exit_nonzero_with_the_message(tmp_path):
     env = dict(os.environ, TINYTRAIN_DEVICE="cpu")
-    r = subprocess.run([sys.executable, "-m", "tinytrain.cli", "train", "--steps", "0", "--out", str(tmp_path)],
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "tinytrain.cli", "train", "--steps", "0", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "--steps must be positive, got 0" in r.stderr
 
 
 def test_loss_falls_on_the_addition_task(tmp_path):
-    m = train(tmp_path, "--steps", "40", "--layers", "1", "--width", "64", "--heads", "4", "--batch-size", "32",
-              "--lr", "1e-2", "--min-lr", "1e-3", "--warmup", "5", "--eval-every", "1000", "--eval-batches", "2",
-              "--no-plot")
+    m = train(
+        tmp_path,
+        "--steps",
+        "40",
+        "--layers",
+        "1",
+        "--width",
+        "64",
+        "--heads",
+        "4",
+        "--batch-size",
+        "32",
+        "--lr",
+        "1e-2",
+        "--min-lr",
+        "1e-3",
+        "--warmup",
+        "5",
+        "--eval-every",
+        "1000",
+        "--eval-batches",
+        "2",
+        "--no-plot",
+    )
     first = m["steps"][0]["loss"]
     assert first == pytest.approx(numpy.log(12), rel=0.1)  # starts near uniform over the vocabulary
     assert m["final"]["val_loss"] < 0.85 * first, (first, m["final"])

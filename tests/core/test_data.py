@@ -20,8 +20,8 @@ def check_rows(ds, x, y):
         assert len(a) == d and len(b) == d and len(answer) == d + 1
         assert int(answer[::-1]) == int(a) + int(b), text
         assert (yr[: ds.prompt_len - 1] == IGNORE).all()
-        assert (yr[ds.prompt_len - 1:] != IGNORE).all()
-        numpy.testing.assert_array_equal(yr[ds.prompt_len - 1:], ds.encode(answer))
+        assert (yr[ds.prompt_len - 1 :] != IGNORE).all()
+        numpy.testing.assert_array_equal(yr[ds.prompt_len - 1 :], ds.encode(answer))
 
 
 @pytest.mark.parametrize("digits", [1, 3, 4])
@@ -50,12 +50,14 @@ def test_addition_batches_are_a_function_of_seed_and_step():
 
 def test_addition_train_and_val_are_disjoint():
     ds = AdditionDataset(2)  # 10,000 problems, so both splits repeat and overlap would show
+
     def problems(split):
         out = set()
         for step in range(20):
             x, _ = ds.batch(split, 64, seed=3, step=step)
             out.update(ds.decode(r[: ds.prompt_len]) for r in x)
         return out
+
     train, val = problems("train"), problems("val")
     assert len(train) > 500 and len(val) > 200
     assert not (train & val)
@@ -121,7 +123,7 @@ def test_char_dataset(tmp_path):
     train = whole[:cut]
     for row_x, row_y in zip(x, y):  # every row is a contiguous piece of the training text
         seq = numpy.concatenate([row_x, row_y[-1:]])
-        hits = [s for s in range(len(train) - 16) if numpy.array_equal(train[s:s + 17], seq)]
+        hits = [s for s in range(len(train) - 16) if numpy.array_equal(train[s : s + 17], seq)]
         assert hits
     numpy.testing.assert_array_equal(x, ds.batch("train", 5, seed=0, step=3)[0])
     assert not numpy.array_equal(x, ds.batch("train", 5, seed=0, step=4)[0])
@@ -169,7 +171,7 @@ def test_char_dataset_smallest_allowed_file_batches_both_splits(tmp_path):
     last = len(train) - block - 1
     for step in range(200):
         xs, _ = ds.batch("train", 64, seed=1, step=step)
-        if any(numpy.array_equal(r, train[last:last + block]) for r in xs):
+        if any(numpy.array_equal(r, train[last : last + block]) for r in xs):
             break
     else:
         pytest.fail("the last training window was never drawn")

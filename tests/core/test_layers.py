@@ -15,8 +15,10 @@ PACKAGE = Path(tinytrain.__file__).parent
 LAYERS = [
     ("backend", ["tinytrain.backend"]),
     ("trace", ["tinytrain.trace"]),
-    ("autograd", ["tinytrain.autograd", "tinytrain.random", "tinytrain.functional", "tinytrain.testing",
-                  "tinytrain"]),  # the package's own __init__: Tensor, no_grad, manual_seed
+    (
+        "autograd",
+        ["tinytrain.autograd", "tinytrain.random", "tinytrain.functional", "tinytrain.testing", "tinytrain"],
+    ),  # the package's own __init__: Tensor, no_grad, manual_seed
     ("nn", ["tinytrain.nn", "tinytrain.optim", "tinytrain.data", "tinytrain.checkpoint"]),
     ("distributed", ["tinytrain.distributed"]),
     ("parallel", ["tinytrain.parallel"]),
@@ -72,8 +74,7 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_no_module_imports_a_higher_layer():
-    upward = [f"{a} -> {b}" for a, targets in graph().items() for b in targets
-              if layer_of(b) > layer_of(a)]
+    upward = [f"{a} -> {b}" for a, targets in graph().items() for b in targets if layer_of(b) > layer_of(a)]
     assert not upward, "imports that point up a layer:\n" + "\n".join(sorted(upward))
 
 
@@ -88,7 +89,7 @@ def test_the_import_graph_has_no_cycle():
         state[node] = "open"
         for nxt in sorted(edges[node]):
             if state.get(nxt) == "open":
-                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+                cycles.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = "done"

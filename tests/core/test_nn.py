@@ -21,6 +21,7 @@ def host(t):
 
 # --- Module bookkeeping -----------------------------------------------------------------------
 
+
 class Pair(Module):
     def __init__(self):
         super().__init__()
@@ -130,6 +131,7 @@ def test_module_list_indexes_and_registers():
 
 # --- layers against NumPy ---------------------------------------------------------------------
 
+
 def test_linear_matches_numpy():
     rng = numpy.random.default_rng()
     lin = Linear(5, 3)
@@ -209,6 +211,7 @@ def test_dropout_train_and_eval():
 
 
 # --- GPTConfig --------------------------------------------------------------------------------
+
 
 def test_config_width_not_divisible_by_heads_names_divisors():
     with pytest.raises(ValueError, match=r"n_head among \[1, 2, 3, 4, 6, 8, 12, 24\]"):

@@ -27,10 +27,13 @@ def torch_param_grad(tm, name):
     return g
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(vocab_size=13, block_size=9, n_layer=2, n_head=4, n_embd=32),
-    dict(vocab_size=7, block_size=16, n_layer=1, n_head=1, n_embd=24),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(vocab_size=13, block_size=9, n_layer=2, n_head=4, n_embd=32),
+        dict(vocab_size=7, block_size=16, n_layer=1, n_head=1, n_embd=24),
+    ],
+)
 def test_gpt_logits_loss_and_gradients_match_torch(cfg):
     rng = numpy.random.default_rng()
     config = GPTConfig(**cfg)
@@ -49,8 +52,9 @@ def test_gpt_logits_loss_and_gradients_match_torch(cfg):
     loss.backward()
 
     t_logits = tm(torch.from_numpy(ids))
-    t_loss = torch.nn.functional.cross_entropy(t_logits.flatten(0, 1), torch.from_numpy(targets).flatten(),
-                                               ignore_index=-100)
+    t_loss = torch.nn.functional.cross_entropy(
+        t_logits.flatten(0, 1), torch.from_numpy(targets).flatten(), ignore_index=-100
+    )
     t_loss.backward()
 
     assert_close(logits, t_logits.detach().numpy(), atol=1e-4, rtol=1e-4, what="logits")

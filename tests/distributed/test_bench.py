@@ -14,15 +14,20 @@ def test_bench_rows_have_nccl_tests_fields(tmp_path):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     out = tmp_path / f"rows{dist.get_rank()}.json"
-    args = parser.parse_args(["--sizes", "1K", "64K", "--collectives", "all_reduce", "all_gather",
-                              "--rounds", "1", "--json", str(out)])
+    args = parser.parse_args(
+        ["--sizes", "1K", "64K", "--collectives", "all_reduce", "all_gather", "--rounds", "1", "--json", str(out)]
+    )
     assert bench.run(args) == 0
     if dist.get_rank() != 0:
         assert not out.exists()
         return
     rows = json.loads(out.read_text())
     assert [(r["collective"], r["size_bytes"]) for r in rows] == [
-        ("all_reduce", 1024), ("all_reduce", 65536), ("all_gather", 1024), ("all_gather", 65536)]
+        ("all_reduce", 1024),
+        ("all_reduce", 65536),
+        ("all_gather", 1024),
+        ("all_gather", 65536),
+    ]
     for r in rows:
         assert r["ranks"] == 4
         factor = 2 * 3 / 4 if r["collective"] == "all_reduce" else 3 / 4
@@ -36,8 +41,23 @@ def test_bench_runs_a_students_assignment_and_lists_its_todos(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     out = tmp_path / "rows.json"
-    args = parser.parse_args(["--impl", "assignments", "--sizes", "1K", "--collectives", "all_reduce",
-                              "all_gather", "--algo", "recursive_doubling", "--rounds", "1", "--json", str(out)])
+    args = parser.parse_args(
+        [
+            "--impl",
+            "assignments",
+            "--sizes",
+            "1K",
+            "--collectives",
+            "all_reduce",
+            "all_gather",
+            "--algo",
+            "recursive_doubling",
+            "--rounds",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert bench.run(args) == 0
     if dist.get_rank() == 0:
         printed = capsys.readouterr().out

@@ -1,6 +1,5 @@
 """Bad inputs fail early with an error that says what to change; waits end with named errors."""
 
-import os
 import time
 
 import numpy as np
@@ -25,7 +24,9 @@ def test_non_arrays_and_bad_arguments_are_rejected():
     x = np.ones(4, dtype=np.float32)
     with pytest.raises(ValueError, match="op='median' is not one of"):
         dist.all_reduce(x, op="median")
-    with pytest.raises(ValueError, match="algo='magic' is not one of ring, recursive_doubling, halving_doubling, naive"):
+    with pytest.raises(
+        ValueError, match="algo='magic' is not one of ring, recursive_doubling, halving_doubling, naive"
+    ):
         dist.all_reduce(x, algo="magic")
     with pytest.raises(ValueError, match="avg.*floating"):
         dist.all_reduce(np.ones(3, dtype=np.int64), op="avg")
@@ -61,7 +62,9 @@ def test_group_that_excludes_the_caller():
         dist.all_reduce(x, group=g)
         assert (x == 2).all()
     else:
-        with pytest.raises(ValueError, match=r"rank \d is not a member of group group_0_2.*call this only on ranks \[0, 2\]"):
+        with pytest.raises(
+            ValueError, match=r"rank \d is not a member of group group_0_2.*call this only on ranks \[0, 2\]"
+        ):
             dist.all_reduce(x, group=g)
     with pytest.raises(ValueError, match="outside the world of 4 ranks"):
         dist.new_group([0, 9])
@@ -71,10 +74,17 @@ def test_group_that_excludes_the_caller():
 def test_dtype_and_shape_mismatch_across_ranks_named_in_words(monkeypatch):
     monkeypatch.setenv("TINYTRAIN_DEBUG", "1")
     dtype = np.float64 if dist.get_rank() == 3 else np.float32
-    with pytest.raises(dist.CollectiveMismatch, match=r"rank 3 called all_reduce\(shape=\(8,\), float64.*while rank 0 called all_reduce\(shape=\(8,\), float32.*differ in dtype"):
+    with pytest.raises(
+        dist.CollectiveMismatch,
+        match=r"rank 3 called all_reduce\(shape=\(8,\), float64.*"
+        r"while rank 0 called all_reduce\(shape=\(8,\), float32.*differ in dtype",
+    ):
         dist.all_reduce(np.ones(8, dtype=dtype))
     n = 9 if dist.get_rank() == 1 else 8
-    with pytest.raises(dist.CollectiveMismatch, match=r"rank 1 called broadcast\(shape=\(9,\).*while rank 0 called broadcast\(shape=\(8,\).*differ in shape"):
+    with pytest.raises(
+        dist.CollectiveMismatch,
+        match=r"rank 1 called broadcast\(shape=\(9,\).*while rank 0 called broadcast\(shape=\(8,\).*differ in shape",
+    ):
         dist.broadcast(np.ones(n))
     # and afterwards the group still works (the check itself left no messages behind)
     x = np.ones(4)
@@ -92,8 +102,13 @@ def test_timeout_names_operation_group_step_peer_and_time(monkeypatch):
             dist.all_reduce(np.ones(10_000, dtype=np.float32), algo="ring")
         assert time.monotonic() - start < 5
         msg = str(err.value)
-        for part in ["all_reduce(algo=ring)", "group world", "ring reduce-scatter step 1/1",
-                     "recv from rank 1", "timed out after 1."]:
+        for part in [
+            "all_reduce(algo=ring)",
+            "group world",
+            "ring reduce-scatter step 1/1",
+            "recv from rank 1",
+            "timed out after 1.",
+        ]:
             assert part in msg, (part, msg)
         # The abandoned all_reduce's messages may still arrive: the group refuses further use.
         with pytest.raises(dist.DistributedError, match="unusable after an earlier CommTimeout in all_reduce"):

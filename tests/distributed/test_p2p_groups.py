@@ -25,7 +25,7 @@ def test_ring_of_sendrecv_and_blocking_send_recv():
 
 @pytest.mark.world_size(4)
 def test_isend_irecv_with_tags_match_by_tag_not_order():
-    r, n = dist.get_rank(), dist.get_world_size()
+    r, _n = dist.get_rank(), dist.get_world_size()
     if r == 0:
         hs = [dist.isend(np.full(3, float(t)), 1, tag=t) for t in (1, 2, 3)]
         for h in hs:

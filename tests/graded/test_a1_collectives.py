@@ -12,7 +12,6 @@ compared exactly. A failure says which rank, which chunk and which index, in wor
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -73,12 +72,21 @@ def chunk_of(index: int, counts: list[int]) -> tuple[int, int]:
     return len(counts), index - start
 
 
-def expect_equal(got, expected, what: str, context: str, counts: list[int] | None = None, chunk_word="chunk",
-                 chunk: int | None = None):
+def expect_equal(
+    got,
+    expected,
+    what: str,
+    context: str,
+    counts: list[int] | None = None,
+    chunk_word="chunk",
+    chunk: int | None = None,
+):
     """Assert equality; otherwise say which rank, chunk and index differ, and the values."""
     rank = dist.get_rank()
     if got is None or np.shape(got) != np.shape(expected):
-        raise AssertionError(f"rank {rank}: {what} returned shape {np.shape(got)}, expected {np.shape(expected)} {context}")
+        raise AssertionError(
+            f"rank {rank}: {what} returned shape {np.shape(got)}, expected {np.shape(expected)} {context}"
+        )
     i = first_difference(got, expected)
     if i is None:
         return
@@ -142,8 +150,13 @@ def test_reduce_scatter_uneven_pieces_and_max(impl):
         got = impl.collectives.reduce_scatter(x, op="max", group=g, sizes=counts)
         expected = np.empty(counts[g.rank], dtype=np.float64)
         g.comm.Reduce_scatter(x, expected, counts, op=MPI.MAX)
-        expect_equal(got, expected, f"reduce-scatter (op=max, pieces of sizes {counts})",
-                     case.where(ranks, sum(counts), np.float64), chunk=g.rank)
+        expect_equal(
+            got,
+            expected,
+            f"reduce-scatter (op=max, pieces of sizes {counts})",
+            case.where(ranks, sum(counts), np.float64),
+            chunk=g.rank,
+        )
 
 
 # --- 1.2 ring all-gather ---------------------------------------------------------------------------
@@ -165,7 +178,9 @@ def test_all_gather_matches_mpi(impl):
             expected = np.empty(length * n, dtype=dtype)
             g.comm.Allgather(x, expected)
             context = case.where(ranks, length, dtype)
-            expect_equal(got, expected, "all-gather", context, counts=[length] * n, chunk_word="the piece of group rank")
+            expect_equal(
+                got, expected, "all-gather", context, counts=[length] * n, chunk_word="the piece of group rank"
+            )
             expect_volume(stats, "all_gather", (n - 1) * length * x.itemsize, "(n-1)/n of the gathered buffer", context)
 
 
@@ -181,8 +196,14 @@ def test_all_gather_uneven_pieces(impl):
         got = impl.collectives.all_gather(x, group=g, sizes=counts)
         expected = np.empty((sum(counts), 3), dtype=np.int64)
         g.comm.Allgatherv(x, [expected, [3 * c for c in counts]])
-        expect_equal(got, expected, f"all-gather (pieces of {counts} rows)", case.where(ranks, sum(counts), np.int64),
-                     counts=[3 * c for c in counts], chunk_word="the piece of group rank")
+        expect_equal(
+            got,
+            expected,
+            f"all-gather (pieces of {counts} rows)",
+            case.where(ranks, sum(counts), np.int64),
+            counts=[3 * c for c in counts],
+            chunk_word="the piece of group rank",
+        )
 
 
 # --- 1.3 all-reduce composed of the two ------------------------------------------------------------
@@ -216,12 +237,17 @@ def test_ring_all_reduce_matches_mpi_and_is_composed(impl, monkeypatch):
                 got = mod.all_reduce(x, group=g, algo="ring")
             context = case.where(ranks, length, dtype)
             expect_equal(got, expected, "all-reduce", context, counts=list(mod.split_counts(length, n)))
-            if n > 1 and (calls["_ring_reduce_scatter"] == before["_ring_reduce_scatter"]
-                          or calls["_ring_all_gather"] == before["_ring_all_gather"]):
-                raise AssertionError(f"rank {dist.get_rank()}: the ring all-reduce must call _ring_reduce_scatter "
-                                     f"and then _ring_all_gather (calls: {calls}) {context}")
-            expect_volume(stats, "all_reduce", 2 * (n - 1) * (length // n) * x.itemsize,
-                          "2(n-1)/n of the buffer", context)
+            if n > 1 and (
+                calls["_ring_reduce_scatter"] == before["_ring_reduce_scatter"]
+                or calls["_ring_all_gather"] == before["_ring_all_gather"]
+            ):
+                raise AssertionError(
+                    f"rank {dist.get_rank()}: the ring all-reduce must call _ring_reduce_scatter "
+                    f"and then _ring_all_gather (calls: {calls}) {context}"
+                )
+            expect_volume(
+                stats, "all_reduce", 2 * (n - 1) * (length // n) * x.itemsize, "2(n-1)/n of the buffer", context
+            )
 
 
 # --- 1.4 all-to-all --------------------------------------------------------------------------------
@@ -242,10 +268,15 @@ def test_all_to_all_matches_mpi(impl):
             expected = np.empty_like(x)
             g.comm.Alltoall(x, expected)
             context = case.where(ranks, length * n, dtype)
-            expect_equal(got, expected, "all-to-all", context, counts=[length] * n,
-                         chunk_word="the block received from group rank")
-            expect_volume(stats, "all_to_all", (n - 1) * length * x.itemsize,
-                          "every block but your own", context)
+            expect_equal(
+                got,
+                expected,
+                "all-to-all",
+                context,
+                counts=[length] * n,
+                chunk_word="the block received from group rank",
+            )
+            expect_volume(stats, "all_to_all", (n - 1) * length * x.itemsize, "every block but your own", context)
 
 
 @pytest.mark.task("1.4")
@@ -264,8 +295,14 @@ def test_all_to_all_uneven_splits(impl):
         expected = np.empty((sum(recv), 2), dtype=np.float32)
         sdispl, rdispl = np.cumsum([0] + send[:-1]) * 2, np.cumsum([0] + recv[:-1]) * 2
         g.comm.Alltoallv([x, ([2 * c for c in send], sdispl)], [expected, ([2 * c for c in recv], rdispl)])
-        expect_equal(got, expected, f"all-to-all (send_sizes {send})", case.where(ranks, sum(send), np.float32),
-                     counts=[2 * c for c in recv], chunk_word="the block received from group rank")
+        expect_equal(
+            got,
+            expected,
+            f"all-to-all (send_sizes {send})",
+            case.where(ranks, sum(send), np.float32),
+            counts=[2 * c for c in recv],
+            chunk_word="the block received from group rank",
+        )
 
 
 # --- 1.5 broadcast ---------------------------------------------------------------------------------
@@ -290,10 +327,14 @@ def test_tree_broadcast_matches_mpi_from_every_root(impl):
                 expect_equal(x, expected, "broadcast (in place: x itself must hold the result)", context)
                 messages, want_messages = stats.messages("broadcast"), (g.size - 1).bit_length()
                 if g.rank == root and messages != want_messages:
-                    raise AssertionError(f"rank {dist.get_rank()}: the root of a binomial-tree broadcast sends "
-                                         f"ceil(log2 n) = {want_messages} messages, this one sent {messages} {context}")
+                    raise AssertionError(
+                        f"rank {dist.get_rank()}: the root of a binomial-tree broadcast sends "
+                        f"ceil(log2 n) = {want_messages} messages, this one sent {messages} {context}"
+                    )
                 received = stats.recv("broadcast")
                 want = 0 if g.rank == root else x.nbytes
                 if received != want:
-                    raise AssertionError(f"rank {dist.get_rank()}: broadcast received {received} bytes; in a tree "
-                                         f"every rank but the root receives the buffer exactly once ({want} bytes) {context}")
+                    raise AssertionError(
+                        f"rank {dist.get_rank()}: broadcast received {received} bytes; in a tree "
+                        f"every rank but the root receives the buffer exactly once ({want} bytes) {context}"
+                    )

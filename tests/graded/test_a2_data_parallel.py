@@ -85,7 +85,8 @@ def check_params(case, model, want, text):
         got = to_host(p.data)
         err = float(np.abs(got - want[name]).max())
         assert np.allclose(got, want[name], rtol=1e-5, atol=1e-6), case.what(
-            f"{text}: parameter {name} is off from the serial run by {err:.3g}")
+            f"{text}: parameter {name} is off from the serial run by {err:.3g}"
+        )
         first = np.ascontiguousarray(got).copy()
         dist.broadcast(first, src=0)
         assert np.array_equal(first, got), case.what(f"{text}: {name} differs between rank 0 and this rank")
@@ -116,7 +117,8 @@ def test_naive_ddp_matches_serial_and_sends_one_ring_per_gradient(impl):
     expected = STEPS * sum(ring_bytes(p.size, 4, dist.get_rank()) for p in model.parameters())
     assert stats.sent("all_reduce") == expected, case.what(
         f"NaiveDDP sent {stats.sent('all_reduce')} bytes of all_reduce, expected {expected}: one ring all-reduce "
-        "(algo='ring') of each gradient per step")
+        "(algo='ring') of each gradient per step"
+    )
 
 
 # --- 2.2 bucketed DDP ------------------------------------------------------------------------------
@@ -141,7 +143,8 @@ def test_bucketed_ddp_launches_every_bucket_during_backward_in_reverse_order(imp
     loss.backward()  # only the engine: every bucket must have been launched by the hooks
     assert launched == ddp.buckets, case.what(
         f"{len(launched)} of {len(ddp.buckets)} buckets were launched during backward, in order "
-        f"{[ddp.buckets.index(b) for b in launched]}; launch each as soon as it is full, in bucket order")
+        f"{[ddp.buckets.index(b) for b in launched]}; launch each as soon as it is full, in bucket order"
+    )
     ddp.finish_gradient_sync()
 
 
@@ -158,8 +161,9 @@ def test_bucketed_ddp_matches_serial_with_frozen_and_tied_weights(impl):
         train(case, model, ddp, opt.step)
     check_params(case, model, want, "BucketedDDP")
     expected = STEPS * sum(ring_bytes(b.buffer.size, 4, dist.get_rank()) for b in ddp.buckets)
-    assert stats.sent("all_reduce") == expected, case.what("one ring all-reduce per bucket per step (the tied "
-                                                           "embedding once, frozen parameters never)")
+    assert stats.sent("all_reduce") == expected, case.what(
+        "one ring all-reduce per bucket per step (the tied embedding once, frozen parameters never)"
+    )
 
 
 # --- 2.3 gradient accumulation ---------------------------------------------------------------------
@@ -204,6 +208,7 @@ def test_parameter_server_matches_serial_and_everything_goes_through_the_server(
     expected = STEPS * (2 * 3 * psi_bytes if ps.rank == ps.server else 2 * psi_bytes)
     assert moved == expected, case.what(
         f"this rank moved {moved} bytes in {STEPS} steps, expected {expected}: each worker pushes its gradients "
-        "and pulls the parameters once per step; the server receives and sends one copy per worker")
+        "and pulls the parameters once per step; the server receives and sends one copy per worker"
+    )
     if ps.rank != ps.server:
         assert not opt.state, "only the server keeps optimizer state"

@@ -2,8 +2,8 @@
 
 Each test trains a tiny GPT with ``impl.zero.Zero`` at one stage and checks three things against
 formulas, never against stored numbers: the parameters equal a serial run on the same global
-batches (SGD atol 1e-6, AdamW atol 2e-4 at lr 1e-2: Adam magnifies rounding where a gradient is
-near zero), the bytes each rank holds are the ZeRO paper's (fp32 + Adam: stage 1 8Ψ + 8Ψ_r,
+batches (SGD atol 1e-6, AdamW atol 2e-4 at lr 1e-2 with eps 1e-6: Adam turns a gradient near zero
+into a step of about lr whatever its rounding, and eps 1e-6 keeps rounding-sized gradients small), the bytes each rank holds are the ZeRO paper's (fp32 + Adam: stage 1 8Ψ + 8Ψ_r,
 stage 2 4Ψ + 12Ψ_r, stage 3 16Ψ_r, Ψ_r = this rank's elements), and the bytes sent are exactly
 ring reduce-scatter + all-gather (twice the gathers in stage 3). Seeds are drawn at run time;
 replay with ``TINYTRAIN_GRADER_SEED=<seed>``.
@@ -36,7 +36,7 @@ class Case:
 
     def optimizer(self, model):
         if self.opt_kind == "adamw":
-            return AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            return AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
         return SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
 
     def batch(self, step):
@@ -82,18 +82,22 @@ def check_params(case, zero, stage):
         got = to_host(got)
         err = float(np.abs(got - want[name]).max())
         assert np.allclose(got, want[name], **TOL[case.opt_kind]), case.what(
-            f"ZeRO-{stage} ({case.opt_kind}): {name} is off from the serial run by {err:.3g}")
+            f"ZeRO-{stage} ({case.opt_kind}): {name} is off from the serial run by {err:.3g}"
+        )
 
 
 def check_memory(case, zero, memory, stage):
     psi = sum(s.p.size if stage < 3 else int(np.prod(s.shape)) for s in zero.shards)
     mine = sum(s.stop - s.start for s in zero.shards)
     per = 8 if case.opt_kind == "adamw" else 4
-    want = {1: (4 * psi, 4 * psi, per * mine), 2: (4 * psi, 4 * mine, per * mine),
-            3: (4 * mine, 4 * mine, per * mine)}[stage]
+    want = {1: (4 * psi, 4 * psi, per * mine), 2: (4 * psi, 4 * mine, per * mine), 3: (4 * mine, 4 * mine, per * mine)}[
+        stage
+    ]
     got = (memory["params"], memory["grads"], memory["optimizer"])
-    assert got == want, case.what(f"ZeRO-{stage} holds (params, grads, optimizer) = {got} bytes, expected {want} "
-                                  f"(Ψ={psi}, this rank's pieces Ψ_r={mine})")
+    assert got == want, case.what(
+        f"ZeRO-{stage} holds (params, grads, optimizer) = {got} bytes, expected {want} "
+        f"(Ψ={psi}, this rank's pieces Ψ_r={mine})"
+    )
 
 
 def gather_bytes(shards, rank, n):
@@ -108,9 +112,11 @@ def check_volume(case, zero, sent, stage):
     else:
         ag = STEPS * 2 * sum(gather_bytes(shards, rank, n) for _, _, shards in zero.units)
     want = {"reduce_scatter": rs, "all_gather": ag, "all_reduce": 0}
-    assert sent == want, case.what(f"ZeRO-{stage} sent {sent} bytes, expected {want}: one ring reduce-scatter "
-                                   "of each gradient, one all-gather of each parameter per "
-                                   + ("step" if stage < 3 else "use in forward and in backward"))
+    assert sent == want, case.what(
+        f"ZeRO-{stage} sent {sent} bytes, expected {want}: one ring reduce-scatter "
+        "of each gradient, one all-gather of each parameter per "
+        + ("step" if stage < 3 else "use in forward and in backward")
+    )
 
 
 @pytest.mark.task("3.1")

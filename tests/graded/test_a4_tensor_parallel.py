@@ -128,7 +128,9 @@ def test_column_parallel_linear(impl, gather_output):
     tp, g, t, r = impl.tensor_parallel, dist.world(), 4, dist.get_rank()
     rng, seed = shared_rng()
     linear, x, upstream = drawn_linear(rng, t)
-    what = f"Linear({linear.in_features}, {linear.out_features}), x {x.shape}, gather_output={gather_output} (seed {seed})"
+    what = (
+        f"Linear({linear.in_features}, {linear.out_features}), x {x.shape}, gather_output={gather_output} (seed {seed})"
+    )
     col = tp.ColumnParallelLinear(linear, g, "fc", gather_output=gather_output)
     want, want_dx = serial_grads(linear, x, upstream)
     xs = leaf(x)
@@ -153,7 +155,9 @@ def test_row_parallel_linear(impl):
     with dist.comm_stats() as s:
         y = row(xs)
     close(y, want.data, f"output (partial products all-reduced, bias added once), {what}")
-    assert sent(s, "all_reduce") == ring_all_reduce_bytes(want.data.nbytes, t), f"{what}: one ring all-reduce of the output\n{s.table()}"
+    assert sent(s, "all_reduce") == ring_all_reduce_bytes(want.data.nbytes, t), (
+        f"{what}: one ring all-reduce of the output\n{s.table()}"
+    )
     y.backward(xp.asarray(upstream))
     close(xs.grad, piece(want_dx, -1, t, r), f"input gradient (my piece), {what}")
     close(row.weight.grad, piece(linear.weight.grad, 0, t, r), f"weight shard gradient, {what}")
@@ -180,7 +184,9 @@ def check_layer(parallel, serial, x, upstream, t, what):
         close(sh.param.grad, want, f"gradient of {sh.name}, {what}", scale)
     one = ring_all_reduce_bytes(x.nbytes, t)
     for label, s in (("forward", fwd), ("backward", bwd)):
-        assert sent(s, "all_reduce") == one, f"{what}: {label} sends one ring all-reduce of the activations\n{s.table()}"
+        assert sent(s, "all_reduce") == one, (
+            f"{what}: {label} sends one ring all-reduce of the activations\n{s.table()}"
+        )
 
 
 @pytest.mark.task("4.3")
@@ -272,8 +278,14 @@ def test_vocab_parallel_cross_entropy_never_sees_full_logits(impl):
 
 def drawn_gpt(rng, t, dropout):
     heads = t * int(rng.integers(1, 3))
-    config = GPTConfig(vocab_size=t * int(rng.integers(2, 5)), block_size=2 * t, n_layer=int(rng.integers(1, 3)),
-                       n_head=heads, n_embd=heads * int(rng.integers(1, 3)), dropout=dropout)
+    config = GPTConfig(
+        vocab_size=t * int(rng.integers(2, 5)),
+        block_size=2 * t,
+        n_layer=int(rng.integers(1, 3)),
+        n_head=heads,
+        n_embd=heads * int(rng.integers(1, 3)),
+        dropout=dropout,
+    )
     seed = int(rng.integers(1 << 30))
     ids = rng.integers(0, config.vocab_size, size=(int(rng.integers(1, 4)), 2 * t))
     targets = rng.integers(0, config.vocab_size, size=ids.shape)
@@ -312,7 +324,9 @@ def test_tensor_parallel_gpt_matches_serial(impl):
 @pytest.mark.world_size(4)
 def test_sequence_parallel_gpt_with_dropout_matches_serial(impl):
     s = check_gpt(impl.tensor_parallel, 4, sp=True, dropout=0.2)
-    assert sent(s, "all_gather") > 0 and sent(s, "reduce_scatter") > 0, f"SP runs all-gathers and reduce-scatters\n{s.table()}"
+    assert sent(s, "all_gather") > 0 and sent(s, "reduce_scatter") > 0, (
+        f"SP runs all-gathers and reduce-scatters\n{s.table()}"
+    )
 
 
 @pytest.mark.task("4.5")

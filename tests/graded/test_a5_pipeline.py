@@ -9,7 +9,6 @@ computation, and the whole pipeline by training a small GPT against a serial run
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -72,9 +71,11 @@ def test_1f1b_schedule(impl):
         expected = [min(p - s, m) for s in range(p)]
         assert t.peak_activations == expected, (
             f"{what}: stages hold at most {t.peak_activations} micro-batches at once; 1F1B holds {expected} "
-            "(stage s warms up with p-1-s forwards, then alternates)")
+            "(stage s warms up with p-1-s forwards, then alternates)"
+        )
         assert abs(t.bubble_share - bubble_formula(p, m)) < 1e-9, (
-            f"{what}: bubble {t.bubble_share:.4f}, textbook {bubble_formula(p, m):.4f}")
+            f"{what}: bubble {t.bubble_share:.4f}, textbook {bubble_formula(p, m):.4f}"
+        )
 
 
 # --- 5.4 interleaved 1F1B --------------------------------------------------------------------------
@@ -89,7 +90,8 @@ def test_interleaved_schedule(impl):
         what = f"interleaved_1f1b({p}, {m}, {v}) (seed {seed})"
         t = run_on_paper(impl.pipeline.interleaved_1f1b(p, m, v), p, v, what)
         assert abs(t.bubble_share - bubble_formula(p, m, v)) < 1e-9, (
-            f"{what}: bubble {t.bubble_share:.4f}, textbook (p-1)/(v·m+p-1) = {bubble_formula(p, m, v):.4f}")
+            f"{what}: bubble {t.bubble_share:.4f}, textbook (p-1)/(v·m+p-1) = {bubble_formula(p, m, v):.4f}"
+        )
     with pytest.raises(ValueError):
         impl.pipeline.interleaved_1f1b(4, 6, 2)  # 6 micro-batches do not go in groups of 4
 
@@ -111,8 +113,13 @@ def test_activation_and_gradient_cross_stages(impl):
         pl.send_activation(h, 1, tag=7).wait()
         h.backward(pl.recv_gradient(h, 1, tag=8))
         # serial: loss = sum((x w)^2)  ->  d loss / d w = x^T · 2 (x w)
-        assert_close(weight.grad, x.T @ (2 * (x @ w)), atol=1e-4, rtol=1e-4,
-                     what=f"rank 0: gradient of stage 0's weight (seed {seed})")
+        assert_close(
+            weight.grad,
+            x.T @ (2 * (x @ w)),
+            atol=1e-4,
+            rtol=1e-4,
+            what=f"rank 0: gradient of stage 0's weight (seed {seed})",
+        )
     else:  # stage 1: loss = sum(h^2) of the received activation
         h = pl.recv_activation((n, d), np.float32, 0, tag=7)
         assert h.requires_grad and h.is_leaf, "rank 1: the received activation must be a leaf that requires grad"
@@ -147,6 +154,11 @@ def test_two_stage_training_matches_serial(impl, schedule):
     ref = dict(serial.named_parameters())
     for name, p in model.named_parameters():
         if any(p is q for q in stage.parameters()):
-            assert_close(p.grad, ref[name].grad, atol=1e-5, rtol=1e-4,
-                         what=f"rank {stage.rank}: gradient of {name} after a {schedule} step (seed {seed})")
+            assert_close(
+                p.grad,
+                ref[name].grad,
+                atol=1e-5,
+                rtol=1e-4,
+                what=f"rank {stage.rank}: gradient of {name} after a {schedule} step (seed {seed})",
+            )
     SGD(stage.parameters(), lr=0.1).step()  # and the step itself runs

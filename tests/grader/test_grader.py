@@ -21,7 +21,9 @@ from grader.config import ROOT, is_release, load_rubric
 from grader.run import mpi_environment
 from grader.stubs import assignment_text, assignment_texts
 
-pytestmark = pytest.mark.skipif(is_release(), reason="grader self-tests need the reference solution (not in a student copy)")
+pytestmark = pytest.mark.skipif(
+    is_release(), reason="grader self-tests need the reference solution (not in a student copy)"
+)
 
 RUBRIC = load_rubric()
 A1 = RUBRIC.assignments["1"]
@@ -32,8 +34,9 @@ def grade(tmp: Path, *args: str, timeout: float = 240) -> tuple[dict, str]:
     """Run ``python -m grader`` and return (results.json, printed output)."""
     out = tmp / "out"
     cmd = [sys.executable, "-m", "grader", "--out", str(out), "--comm-timeout", "4", "--timeout", "40", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_environment(), capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=mpi_environment(), capture_output=True, text=True, timeout=timeout, check=False
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"the grader itself failed (status {proc.returncode}):\n{text}"
     return json.loads((out / "results.json").read_text()), text
@@ -99,19 +102,28 @@ BUGS = {
     "off_by_one_chunk_in_reduce_scatter": (
         "send_i, recv_i = (r - s + shift) % n, (r - s - 1 + shift) % n",
         "send_i, recv_i = (r - s + 1 + shift) % n, (r - s - 1 + shift) % n",
-        "1.1", "of the reduce-scatter differs at index"),
+        "1.1",
+        "of the reduce-scatter differs at index",
+    ),
     "reduction_forgets_one_rank": (
         "    for s in range(n - 1):\n        send_i, recv_i = (r - s + shift)",
         "    for s in range(n - 2):\n        send_i, recv_i = (r - s + shift)",
-        "1.1", "differs at index"),
+        "1.1",
+        "differs at index",
+    ),
     "all_to_all_swaps_two_blocks": (
         "(sa, sb), (ra, rb) = send_bounds[dst], recv_bounds[src]",
         "(sa, sb), (ra, rb) = send_bounds[src], recv_bounds[src]",
-        "1.4", "the block received from group rank"),
+        "1.4",
+        "the block received from group rank",
+    ),
     "send_send_deadlock_at_large_sizes": (
         "            sends=[(flat[sa:sb], right)],\n            recvs=[(incoming, left)],\n        )",
-        "            sends=[(flat[sa:sb], right)],\n        )\n        yield c.exchange('receive', recvs=[(incoming, left)])",
-        "1.1", "CommTimeout"),
+        "            sends=[(flat[sa:sb], right)],\n        )\n"
+        "        yield c.exchange('receive', recvs=[(incoming, left)])",
+        "1.1",
+        "CommTimeout",
+    ),
 }
 
 
@@ -145,15 +157,18 @@ def test_grader_refuses_an_assignment_that_imports_the_reference(tmp_path):
     assert all("refusing" in t["output"] for t in results["tests"]), results
 
 
-@pytest.mark.parametrize("line, words", [
-    ("from tinytrain.distributed import all_reduce", "imports all_reduce from tinytrain.distributed"),
-    ("import tinytrain.distributed.algorithms as ref", "imports tinytrain.distributed.algorithms"),
-    ("from tinytrain.distributed import algorithms", "imports tinytrain.distributed.algorithms"),
-    ("import importlib; importlib.import_module('tinytrain.distributed.algorithms')", "names the reference module"),
-    ("import sys\nref = sys.modules[\"tinytrain.distributed.algorithms\"]", "tinytrain.distributed.algorithms"),
-    ("from tinytrain import distributed as d\nx = d.reduce_scatter", "uses d.reduce_scatter"),
-    ("def f(g, x, y): g.comm.Allreduce(x, y)", "calls MPI's own collective .Allreduce()"),
-])
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ("from tinytrain.distributed import all_reduce", "imports all_reduce from tinytrain.distributed"),
+        ("import tinytrain.distributed.algorithms as ref", "imports tinytrain.distributed.algorithms"),
+        ("from tinytrain.distributed import algorithms", "imports tinytrain.distributed.algorithms"),
+        ("import importlib; importlib.import_module('tinytrain.distributed.algorithms')", "names the reference module"),
+        ('import sys\nref = sys.modules["tinytrain.distributed.algorithms"]', "tinytrain.distributed.algorithms"),
+        ("from tinytrain import distributed as d\nx = d.reduce_scatter", "uses d.reduce_scatter"),
+        ("def f(g, x, y): g.comm.Allreduce(x, y)", "calls MPI's own collective .Allreduce()"),
+    ],
+)
 def test_guard_names_each_way_of_borrowing_the_solution(tmp_path, line, words):
     path = tmp_path / "a1_collectives.py"
     path.write_text(assignment_text(A1, RUBRIC) + "\n" + line + "\n")

@@ -48,16 +48,36 @@ def test_release_refuses_an_existing_folder(release):
 def test_release_suite_passes_with_stand_ins_and_todo_stubs(release):
     """In the copy: graded tests are TODO, reference tests skipped, the framework works on stand-ins."""
     env = mpi_environment()
-    cmd = ["mpirun", "-n", "4", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-           "tests/graded", "tests/distributed", "tests/harness"]
+    cmd = [
+        "mpirun",
+        "-n",
+        "4",
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+        "tests/graded",
+        "tests/distributed",
+        "tests/harness",
+    ]
     proc = subprocess.run(cmd, cwd=release, env=env, capture_output=True, text=True, timeout=600, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "[reference]" not in out  # --impl defaults to assignments in a release
     assert "TODO 1.1:" in out and "which this student copy does not contain" in out, out[-3000:]
 
-    grade = subprocess.run([sys.executable, "-m", "grader", "--out", "out", "--tasks", "1.*"], cwd=release,
-                           env=env, capture_output=True, text=True, timeout=300, check=False)
+    grade = subprocess.run(
+        [sys.executable, "-m", "grader", "--out", "out", "--tasks", "1.*"],
+        cwd=release,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     results = json.loads((release / "out" / "results.json").read_text())
     assert grade.returncode == 0 and results["score"] == 0, grade.stdout + grade.stderr
     assert all(t["output"].startswith("TODO") for t in results["tests"]), results

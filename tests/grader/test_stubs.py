@@ -19,8 +19,9 @@ RUBRIC = load_rubric()
 
 
 def test_checked_in_stubs_are_up_to_date():
-    proc = subprocess.run([sys.executable, "-m", "grader", "stubs", "--check"], cwd=ROOT,
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "grader", "stubs", "--check"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -33,7 +34,10 @@ def test_check_reports_a_stale_stub_with_a_diff(tmp_path):
     (tmp_path / a1.file).write_text((tmp_path / a1.file).read_text().replace("TODO 1.2:", "TODO 1.2 (edited):"))
     stale, diff = write_stubs(tmp_path, check=True)
     assert stale == [a1.file]
-    assert "-    raise NotImplementedError(\"TODO 1.2 (edited):" in diff and "+    raise NotImplementedError(\"TODO 1.2:" in diff
+    assert (
+        '-    raise NotImplementedError("TODO 1.2 (edited):' in diff
+        and '+    raise NotImplementedError("TODO 1.2:' in diff
+    )
     write_stubs(tmp_path)  # regenerating fixes it
     assert write_stubs(tmp_path, check=True)[0] == []
 
@@ -97,12 +101,15 @@ def test_a_package_assignment_is_a_package_whose_files_import_each_other():
     assert all(getattr(stub, n) is not getattr(ref, n) for n in names if n not in ("annotations",))
 
 
-@pytest.mark.parametrize("reference, file, words", [
-    ('["p/a.py", "p/__init__.py"]', '["q/a.py", "q/__init__.py"]', "list its __init__.py first"),
-    ('["p/__init__.py", "elsewhere/a.py"]', '["q/__init__.py", "q/a.py"]', "outside p/"),
-    ('["p/__init__.py", "p/a.py"]', '["q/__init__.py"]', "2 reference files but 1 assignment files"),
-    ('"p/a.txt"', '"q/a.py"', "reference must be a .py path"),
-])
+@pytest.mark.parametrize(
+    "reference, file, words",
+    [
+        ('["p/a.py", "p/__init__.py"]', '["q/a.py", "q/__init__.py"]', "list its __init__.py first"),
+        ('["p/__init__.py", "elsewhere/a.py"]', '["q/__init__.py", "q/a.py"]', "outside p/"),
+        ('["p/__init__.py", "p/a.py"]', '["q/__init__.py"]', "2 reference files but 1 assignment files"),
+        ('"p/a.txt"', '"q/a.py"', "reference must be a .py path"),
+    ],
+)
 def test_rubric_checks_the_files_of_an_assignment(tmp_path, reference, file, words):
     rubric = tmp_path / "rubric.toml"
     rubric.write_text(f'[assignment.9]\ntitle = "t"\nname = "n"\nreference = {reference}\nfile = {file}\n')
@@ -114,18 +121,24 @@ def test_solved_text_is_the_reference_without_markers():
     a = RUBRIC.assignments["1"]
     solved = assignment_text(a, RUBRIC, solved=True)
     assert "SOLUTION" not in solved
-    assert not [ln for ln in solved.splitlines() if ln.strip().startswith("raise NotImplementedError(\"TODO")]
+    assert not [ln for ln in solved.splitlines() if ln.strip().startswith('raise NotImplementedError("TODO')]
     body = [ln for ln in (ROOT / a.reference).read_text().splitlines() if "SOLUTION" not in ln and "import" not in ln]
     assert all(line in solved.splitlines() for line in body)
 
 
-@pytest.mark.parametrize("text, words", [
-    ('x = 1\n# BEGIN SOLUTION 1.1 "hint"\ny = 2\n', 'ref.py:2: BEGIN SOLUTION 1.1 has no # END SOLUTION'),
-    ('# BEGIN SOLUTION 1.1 "a"\n# BEGIN SOLUTION 1.2 "b"\n# END SOLUTION\n', "ref.py:2: BEGIN SOLUTION 1.2 inside the region opened at line 1"),
-    ('def f():\n    # BEGIN SOLUTION "no task id"\n    # END SOLUTION\n', "ref.py:2: malformed marker"),
-    ('# BEGIN SOLUTION 1.1\n# END SOLUTION\n', "ref.py:1: malformed marker"),
-    ('x = 1\n# END SOLUTION\n', "ref.py:2: END SOLUTION without a BEGIN SOLUTION"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('x = 1\n# BEGIN SOLUTION 1.1 "hint"\ny = 2\n', "ref.py:2: BEGIN SOLUTION 1.1 has no # END SOLUTION"),
+        (
+            '# BEGIN SOLUTION 1.1 "a"\n# BEGIN SOLUTION 1.2 "b"\n# END SOLUTION\n',
+            "ref.py:2: BEGIN SOLUTION 1.2 inside the region opened at line 1",
+        ),
+        ('def f():\n    # BEGIN SOLUTION "no task id"\n    # END SOLUTION\n', "ref.py:2: malformed marker"),
+        ("# BEGIN SOLUTION 1.1\n# END SOLUTION\n", "ref.py:1: malformed marker"),
+        ("x = 1\n# END SOLUTION\n", "ref.py:2: END SOLUTION without a BEGIN SOLUTION"),
+    ],
+)
 def test_malformed_markers_are_errors_naming_file_and_line(text, words):
     with pytest.raises(MarkerError, match=words.replace("(", r"\(").replace(".", r"\.")):
         find_regions(text, "ref.py")

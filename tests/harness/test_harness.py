@@ -20,7 +20,7 @@ from grader.run import mpi_environment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-FAULTS = '''
+FAULTS = """
 import time
 import numpy as np
 import pytest
@@ -75,7 +75,7 @@ def test_09_fresh_communicator_sees_no_stray(monkeypatch):
     if dist.get_rank() == 1:
         with pytest.raises(dist.CommTimeout):
             dist.recv(np.empty(4), 0, tag=5)
-'''
+"""
 
 
 def clean_env(**extra):
@@ -108,8 +108,12 @@ def test_injected_faults_end_fast_name_rank_and_operation_and_later_tests_pass(t
     assert proc.returncode != 0, out
     assert out.count("test session starts") == 1, out  # only rank 0 printed
     summary = {m.group(1): m.group(2) for m in re.finditer(r"FAILED test_injected.py::(\w+) - (.*)", out)}
-    assert set(summary) == {"test_02_rank_raises_before_collective", "test_04_different_collectives",
-                            "test_05_mismatched_shapes", "test_06_send_never_received"}, out
+    assert set(summary) == {
+        "test_02_rank_raises_before_collective",
+        "test_04_different_collectives",
+        "test_05_mismatched_shapes",
+        "test_06_send_never_received",
+    }, out
     assert summary["test_02_rank_raises_before_collective"].startswith("[rank 1] RuntimeError: injected on rank 1")
     assert "PeerFailure" in out and "rank 1 failed" in out  # the others were told, not left waiting
     assert "rank 2 called all_gather(shape=(8,), float32" in out and "while rank 0 called all_reduce" in out
@@ -124,7 +128,7 @@ def test_injected_faults_end_fast_name_rank_and_operation_and_later_tests_pass(t
 
 @needs_mpirun
 def test_world_size_marker_skips_with_advice_extra_ranks_sit_out_and_any_rank_can_fail_a_test(tmp_path):
-    source = '''
+    source = """
     import pytest
     from tinytrain import distributed as dist
 
@@ -142,7 +146,7 @@ def test_world_size_marker_skips_with_advice_extra_ranks_sit_out_and_any_rank_ca
     @pytest.mark.world_size(3)
     def test_only_rank_2_fails():
         assert dist.get_rank() != 2, "rank 2 disagrees"
-    '''
+    """
     proc, out, _ = run_pytest(tmp_path, source, 3)
     assert proc.returncode != 0, out
     assert "needs 5 MPI ranks: run with mpirun -n 5" in out

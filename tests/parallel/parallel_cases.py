@@ -4,13 +4,12 @@ loop that any strategy plugs into, and the serial run every strategy must reprod
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import numpy as np
 
-from tinytrain import functional as F
 from tinytrain import distributed as dist
+from tinytrain import functional as F
 from tinytrain.backend import to_host, xp
 from tinytrain.data import shard_rows
 from tinytrain.nn import GPT, GPTConfig
@@ -21,8 +20,9 @@ VOCAB, T = 16, 8
 
 def tiny_gpt(tie: bool = True, freeze: tuple[str, ...] = (), seed: int = 0, n_layer: int = 2) -> GPT:
     """Width 32, ``n_layer`` blocks; parameters whose name starts with one of ``freeze`` are frozen."""
-    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=n_layer, n_head=2, n_embd=32,
-                          tie_weights=tie), seed=seed)
+    model = GPT(
+        GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=n_layer, n_head=2, n_embd=32, tie_weights=tie), seed=seed
+    )
     for name, p in model.named_parameters():
         if name.startswith(freeze):
             p.requires_grad = False
@@ -41,8 +41,9 @@ def global_batch(step: int, rows: int, seed: int = 0):
     return rng.integers(0, VOCAB, size=(rows, T)), rng.integers(0, VOCAB, size=(rows, T))
 
 
-def train(model, backward, step, optimizer, steps: int, rows: int, rank: int = 0, world: int = 1,
-          accum: int = 1, no_sync=None) -> list[float]:
+def train(
+    model, backward, step, optimizer, steps: int, rows: int, rank: int = 0, world: int = 1, accum: int = 1, no_sync=None
+) -> list[float]:
     """``steps`` optimizer steps on this rank's rows of each global batch, in ``accum`` micro-batches
     (all but the last inside ``no_sync()`` when given). Returns this rank's losses."""
     losses = []
@@ -64,7 +65,7 @@ def serial_params(opt_kind: str, steps: int, rows: int, **model_kw) -> dict:
     """Parameters after ``steps`` serial steps on the global batches (the reference)."""
     model = tiny_gpt(**model_kw)
     opt = make_optimizer(opt_kind, model)
-    train(model, lambda l: l.backward(), opt.step, opt, steps, rows)
+    train(model, lambda loss: loss.backward(), opt.step, opt, steps, rows)
     return {n: to_host(p.data).copy() for n, p in model.named_parameters()}
 
 
@@ -74,7 +75,8 @@ def assert_params_close(got: dict, want: dict, rtol: float, atol: float, what: s
         err = np.abs(g - w).max()
         assert np.allclose(g, w, rtol=rtol, atol=atol), (
             f"{what}: parameter {name} differs from the serial run by up to {err:.3g} "
-            f"(rank {dist.get_rank()}, tolerance atol={atol}, rtol={rtol})")
+            f"(rank {dist.get_rank()}, tolerance atol={atol}, rtol={rtol})"
+        )
 
 
 def assert_same_on_all_ranks(params: dict, group=None) -> None:

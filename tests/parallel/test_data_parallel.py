@@ -12,9 +12,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from parallel_cases import (
+    assert_params_close,
+    assert_same_on_all_ranks,
+    global_batch,
+    make_optimizer,
+    serial_params,
+    tiny_gpt,
+    train,
+)
 
-from parallel_cases import (assert_params_close, assert_same_on_all_ranks, global_batch, make_optimizer,
-                            serial_params, tiny_gpt, train)
 from tinytrain import distributed as dist
 from tinytrain import functional as F
 from tinytrain import trace

@@ -11,15 +11,34 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import parallel_cases
 import pytest
 
 from tinytrain import distributed as dist
 from tinytrain.cli import main
 
-import parallel_cases
-
-TINY = ["--layers", "4", "--width", "32", "--heads", "4", "--batch-size", "8", "--steps", "4", "--eval-every", "2",
-        "--eval-batches", "1", "--warmup", "1", "--dropout", "0.1", "--quiet", "--no-plot"]
+TINY = [
+    "--layers",
+    "4",
+    "--width",
+    "32",
+    "--heads",
+    "4",
+    "--batch-size",
+    "8",
+    "--steps",
+    "4",
+    "--eval-every",
+    "2",
+    "--eval-batches",
+    "1",
+    "--warmup",
+    "1",
+    "--dropout",
+    "0.1",
+    "--quiet",
+    "--no-plot",
+]
 
 _serial: dict = {}  # the serial run's metrics, computed once (rank 0)
 
@@ -39,8 +58,9 @@ def assert_on_serial_curve(out, tmp_path) -> None:
     """Loss, clipped gradient norm per step and the final evaluation equal the serial run's."""
     got, want = metrics(out), serial_metrics(tmp_path)
     for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose([s[key] for s in got["steps"]], [s[key] for s in want["steps"]],
-                                   rtol=2e-5, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(
+            [s[key] for s in got["steps"]], [s[key] for s in want["steps"]], rtol=2e-5, atol=1e-6, err_msg=key
+        )
     np.testing.assert_allclose(got["final"]["val_loss"], want["final"]["val_loss"], rtol=2e-5)
 
 
@@ -52,12 +72,24 @@ def run_layout(tmp_path, layout: str) -> None:
 
 
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize("layout", [
-    "--dp 4", "--dp 4 --zero 1", "--dp 4 --zero 2", "--dp 4 --zero 3",
-    "--tp 4", "--tp 4 --sp", "--dp 2 --tp 2 --sp", "--dp 2 --tp 2 --sp --zero 1",
-    "--pp 4", "--pp 2 --dp 2 --zero 1", "--pp 2 --dp 2 --schedule gpipe", "--pp 2 --tp 2 --sp",
-    "--pp 2 --tp 2 --schedule interleaved --chunks 2 --microbatches 4",
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "--dp 4",
+        "--dp 4 --zero 1",
+        "--dp 4 --zero 2",
+        "--dp 4 --zero 3",
+        "--tp 4",
+        "--tp 4 --sp",
+        "--dp 2 --tp 2 --sp",
+        "--dp 2 --tp 2 --sp --zero 1",
+        "--pp 4",
+        "--pp 2 --dp 2 --zero 1",
+        "--pp 2 --dp 2 --schedule gpipe",
+        "--pp 2 --tp 2 --sp",
+        "--pp 2 --tp 2 --schedule interleaved --chunks 2 --microbatches 4",
+    ],
+)
 def test_four_rank_layouts_lie_on_the_serial_curve(tmp_path, layout):
     run_layout(tmp_path, layout)
 
@@ -78,8 +110,27 @@ def test_every_strategy_at_once_lies_on_the_serial_curve(tmp_path):
 def test_zero_prints_memory_per_rank_and_trace_shows_every_rank(tmp_path, capsys):
     out = parallel_cases.shared_dir(tmp_path)
     trace = out / "trace.json"
-    assert main(["train", *TINY, "--steps", "1", "--dp", "2", "--tp", "2", "--zero", "1", "--out", str(out / "r"),
-                 "--trace", str(trace)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *TINY,
+                "--steps",
+                "1",
+                "--dp",
+                "2",
+                "--tp",
+                "2",
+                "--zero",
+                "1",
+                "--out",
+                str(out / "r"),
+                "--trace",
+                str(trace),
+            ]
+        )
+        == 0
+    )
     if dist.get_rank() == 0:
         assert "ZeRO-1 memory per rank" in capsys.readouterr().err
         events = json.loads(trace.read_text())
@@ -100,20 +151,23 @@ def test_pipeline_plot_and_trace_leave_their_files(tmp_path):
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("extra, message", [
-    (["--dp", "4"], "needs exactly 4 ranks"),
-    (["--pp", "2", "--dp", "2"], "needs exactly 4 ranks"),
-    (["--dp", "2", "--batch-size", "7"], "does not split into 2 replicas; use a multiple of 2"),
-    (["--dp", "2", "--bucket-mb", "0"], "--bucket-mb must be positive"),
-    (["--pp", "2", "--microbatches", "3"], "does not split into 1 replicas x 3 micro-batches"),
-    (["--pp", "2", "--chunks", "2"], "needs --schedule interleaved"),
-    (["--pp", "2", "--layers", "1"], "one would be empty"),
-    (["--pp", "2", "--zero", "2"], "use --zero 1 with --pp"),
-    (["--tp", "2", "--zero", "3"], "use --zero 1 with --tp"),
-    (["--tp", "2", "--heads", "3", "--width", "33"], "number of attention heads = 3"),
-    (["--sp"], "add --tp 2 or more"),
-    (["--dp", "2", "--experts", "2"], "--experts trains serially"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--dp", "4"], "needs exactly 4 ranks"),
+        (["--pp", "2", "--dp", "2"], "needs exactly 4 ranks"),
+        (["--dp", "2", "--batch-size", "7"], "does not split into 2 replicas; use a multiple of 2"),
+        (["--dp", "2", "--bucket-mb", "0"], "--bucket-mb must be positive"),
+        (["--pp", "2", "--microbatches", "3"], "does not split into 1 replicas x 3 micro-batches"),
+        (["--pp", "2", "--chunks", "2"], "needs --schedule interleaved"),
+        (["--pp", "2", "--layers", "1"], "one would be empty"),
+        (["--pp", "2", "--zero", "2"], "use --zero 1 with --pp"),
+        (["--tp", "2", "--zero", "3"], "use --zero 1 with --tp"),
+        (["--tp", "2", "--heads", "3", "--width", "33"], "number of attention heads = 3"),
+        (["--sp"], "add --tp 2 or more"),
+        (["--dp", "2", "--experts", "2"], "--experts trains serially"),
+    ],
+)
 def test_impossible_layouts_are_refused_with_what_to_change(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as exc:
         main(["train", *TINY, "--out", str(tmp_path), *extra])

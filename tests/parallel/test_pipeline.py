@@ -67,15 +67,21 @@ def check_against_serial(schedule, microbatches, chunks, n_layer, tied):
     assert mine, "every stage holds parameters"
     for p in mine:
         name = names[id(p)]
-        assert_close(p.data, ref_params[name].data, atol=1e-4, rtol=1e-3,  # Adam amplifies float32 reordering of tiny grads
-                     what=f"{schedule}: rank {stage.rank} parameter {name} after {STEPS} steps (seed {seed})")
+        assert_close(
+            p.data,
+            ref_params[name].data,
+            atol=1e-4,
+            rtol=1e-3,  # Adam amplifies float32 reordering of tiny grads
+            what=f"{schedule}: rank {stage.rank} parameter {name} after {STEPS} steps (seed {seed})",
+        )
     if stage.is_last:
         assert_close(np.array(losses), np.array(ref_losses), atol=1e-5, rtol=1e-5, what=f"{schedule} losses")
 
 
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize("schedule,microbatches,chunks,n_layer", [
-    ("gpipe", 4, 1, 4), ("1f1b", 6, 1, 5), ("interleaved", 4, 2, 8)])
+@pytest.mark.parametrize(
+    "schedule,microbatches,chunks,n_layer", [("gpipe", 4, 1, 4), ("1f1b", 6, 1, 5), ("interleaved", 4, 2, 8)]
+)
 def test_four_stages_match_serial(schedule, microbatches, chunks, n_layer):
     check_against_serial(schedule, microbatches, chunks, n_layer, tied=True)
 
@@ -89,7 +95,7 @@ def test_two_stages_match_serial_untied(schedule, chunks):
 @pytest.mark.world_size(4)
 def test_1f1b_holds_fewer_activations_than_gpipe():
     cfg = GPTConfig(vocab_size=11, block_size=6, n_layer=4, n_head=2, n_embd=16)
-    (x, y), = batches(0, 1, 16, cfg)
+    ((x, y),) = batches(0, 1, 16, cfg)
     peaks = {}
     for name in ("gpipe", "1f1b"):
         model = GPT(cfg, seed=0)

@@ -11,7 +11,8 @@ from tinytrain.parallel.simulator import Action, ScheduleError, bubble_formula, 
 
 rng = np.random.default_rng()
 SHAPES = [(1, 1), (1, 5), (2, 1), (2, 2), (3, 7), (4, 4), (4, 8)] + [
-    (int(rng.integers(2, 7)), int(rng.integers(1, 17))) for _ in range(4)]
+    (int(rng.integers(2, 7)), int(rng.integers(1, 17))) for _ in range(4)
+]
 
 
 @pytest.mark.parametrize("p,m", SHAPES)
@@ -55,8 +56,10 @@ def test_backward_before_forward_is_refused():
 
 def test_deadlock_is_found_and_explained():
     # stage 1 wants F1 first, but stage 0 sends F1 only after B0, which needs stage 1's B0: a cycle
-    bad = [[Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
-           [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)]]
+    bad = [
+        [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+        [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)],
+    ]
     with pytest.raises(ScheduleError, match="deadlocks: stage 0 at B0 waits for B0 of virtual stage 1"):
         simulate(bad)
 

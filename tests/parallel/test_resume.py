@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import parallel_cases
 import pytest
 
 from tinytrain import checkpoint
@@ -19,10 +20,30 @@ from tinytrain.cli import main
 from tinytrain.data import AdditionDataset
 from tinytrain.distributed import DistributedError
 
-import parallel_cases
-
-TINY = ["--layers", "4", "--width", "32", "--heads", "4", "--batch-size", "8", "--steps", "6", "--ckpt-every", "3",
-        "--eval-every", "3", "--eval-batches", "1", "--warmup", "1", "--dropout", "0.1", "--quiet", "--no-plot"]
+TINY = [
+    "--layers",
+    "4",
+    "--width",
+    "32",
+    "--heads",
+    "4",
+    "--batch-size",
+    "8",
+    "--steps",
+    "6",
+    "--ckpt-every",
+    "3",
+    "--eval-every",
+    "3",
+    "--eval-batches",
+    "1",
+    "--warmup",
+    "1",
+    "--dropout",
+    "0.1",
+    "--quiet",
+    "--no-plot",
+]
 
 
 def train(out, layout: str, *extra) -> None:
@@ -53,8 +74,9 @@ def assert_same_run(resumed, straight) -> None:
         assert a.fields(name) == b.fields(name) == ["exp_avg", "exp_avg_sq", "param"], name
         for field in b.fields(name):
             # Adam divides by sqrt(v): float32 reordering across layouts is amplified a little
-            np.testing.assert_allclose(a.read(name, field), b.read(name, field), rtol=1e-3, atol=1e-6,
-                                       err_msg=f"{name} {field}")
+            np.testing.assert_allclose(
+                a.read(name, field), b.read(name, field), rtol=1e-3, atol=1e-6, err_msg=f"{name} {field}"
+            )
         assert a.scalars[name] == b.scalars[name] == {"step": 6}
 
 
@@ -65,13 +87,17 @@ def straight_serial(tmp_path):
 
 
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize("first, then", [
-    ("--dp 2 --tp 2", "--pp 4"),
-    ("--dp 2 --tp 2 --sp", ""),
-    ("--pp 2 --dp 2 --zero 1", "--tp 4 --sp"),
-    ("--dp 4 --zero 3", "--pp 2 --tp 2"),
-    ("", "--dp 4 --zero 2"),
-], ids=["dp2tp2-to-pp4", "dp2tp2sp-to-serial", "pp2dp2zero1-to-tp4sp", "zero3-to-pp2tp2", "serial-to-zero2"])
+@pytest.mark.parametrize(
+    "first, then",
+    [
+        ("--dp 2 --tp 2", "--pp 4"),
+        ("--dp 2 --tp 2 --sp", ""),
+        ("--pp 2 --dp 2 --zero 1", "--tp 4 --sp"),
+        ("--dp 4 --zero 3", "--pp 2 --tp 2"),
+        ("", "--dp 4 --zero 2"),
+    ],
+    ids=["dp2tp2-to-pp4", "dp2tp2sp-to-serial", "pp2dp2zero1-to-tp4sp", "zero3-to-pp2tp2", "serial-to-zero2"],
+)
 def test_resume_under_another_layout_stays_on_the_serial_curve(tmp_path, monkeypatch, first, then):
     out = parallel_cases.shared_dir(tmp_path) / "elastic"
     if not first:  # a serial first run: rank 0 alone writes the checkpoint
@@ -105,7 +131,9 @@ def test_resume_on_fewer_ranks_with_zero3(tmp_path, monkeypatch):
     restore()
     if dist.get_rank() == 0:
         assert sorted(p.name for p in (out / "ckpt" / "step-000000003").glob("*.npz")) == [
-            "rank-00000.npz", "rank-00001.npz"]  # each rank wrote its own pieces
+            "rank-00000.npz",
+            "rank-00001.npz",
+        ]  # each rank wrote its own pieces
         train(out, "", "--resume")
         assert_same_run(out, straight_serial(tmp_path))
 

@@ -23,8 +23,9 @@ RTOL, ATOL = 1e-4, 2e-6
 
 
 def tiny_gpt(dropout=0.0, n_head=4, width=16, n_layer=2, vocab=VOCAB):
-    return GPT(GPTConfig(vocab_size=vocab, block_size=T, n_layer=n_layer, n_head=n_head, n_embd=width,
-                         dropout=dropout), seed=3)
+    return GPT(
+        GPTConfig(vocab_size=vocab, block_size=T, n_layer=n_layer, n_head=n_head, n_embd=width, dropout=dropout), seed=3
+    )
 
 
 def batch(step, rows=B):
@@ -59,8 +60,13 @@ def assert_matches_serial(parallel, serial, what, field="grad"):
     for s in parallel.shards():
         full = getattr(named[s.name], field)
         want = full if s.replicated else np.take(to_host(full), range(s.start, s.stop), axis=s.axis)
-        np.testing.assert_allclose(to_host(getattr(s.param, field)), to_host(want), rtol=RTOL, atol=atol,
-                                   err_msg=f"{what}: {field} of {s.name} (axis {s.axis}, [{s.start}:{s.stop}])")
+        np.testing.assert_allclose(
+            to_host(getattr(s.param, field)),
+            to_host(want),
+            rtol=RTOL,
+            atol=atol,
+            err_msg=f"{what}: {field} of {s.name} (axis {s.axis}, [{s.start}:{s.stop}])",
+        )
 
 
 @pytest.mark.world_size(2)
@@ -155,10 +161,13 @@ def test_region_functions_forward_and_backward():
 
 
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize("config, message", [
-    ({"n_head": 2, "width": 16}, "number of attention heads = 2"),
-    ({"vocab": 30}, "vocabulary size = 30"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"n_head": 2, "width": 16}, "number of attention heads = 2"),
+        ({"vocab": 30}, "vocabulary size = 30"),
+    ],
+)
 def test_impossible_splits_say_what_to_change(config, message):
     with pytest.raises(ValueError, match=message):
         tp.tensor_parallel_gpt(tiny_gpt(**config), dist.world())

@@ -61,8 +61,9 @@ def run_zero(stage, opt_kind="adamw", steps=STEPS, accum=1, **model_kw):
 def test_zero_matches_the_serial_run_with_gradient_accumulation(stage, opt_kind):
     zero = run_zero(stage, opt_kind, accum=2)
     params = zero.full_parameters()
-    assert_params_close(params, serial_params(opt_kind, STEPS, ROWS), **TOL[opt_kind],
-                        what=f"ZeRO-{stage}, {opt_kind}, 2 micro-batches")
+    assert_params_close(
+        params, serial_params(opt_kind, STEPS, ROWS), **TOL[opt_kind], what=f"ZeRO-{stage}, {opt_kind}, 2 micro-batches"
+    )
     assert_same_on_all_ranks(params)
 
 
@@ -74,8 +75,12 @@ def test_uneven_pieces_on_3_ranks_with_frozen_and_untied_weights(stage):
     for tie in (False,):  # tied weights: every other test
         zero = run_zero(stage, "sgd", freeze=frozen, tie=tie)
         assert any(len(set(s.sizes)) > 1 for s in zero.shards)
-        assert_params_close(zero.full_parameters(), serial_params("sgd", STEPS, ROWS, freeze=frozen, tie=tie),
-                            **TOL["sgd"], what=f"ZeRO-{stage} on 3 ranks, frozen {frozen}, tied={tie}")
+        assert_params_close(
+            zero.full_parameters(),
+            serial_params("sgd", STEPS, ROWS, freeze=frozen, tie=tie),
+            **TOL["sgd"],
+            what=f"ZeRO-{stage} on 3 ranks, frozen {frozen}, tied={tie}",
+        )
         assert all(id(p) not in zero.shard_of for n, p in zero.module.named_parameters() if n.startswith(frozen))
 
 
@@ -109,7 +114,7 @@ def test_memory_per_rank_is_the_zero_papers_figure(opt_kind):
     n = dist.get_world_size()
     model = tiny_gpt()
     opt = make_optimizer(opt_kind, model)
-    train(model, lambda l: l.backward(), lambda: None, opt, 1, ROWS)
+    train(model, lambda loss: loss.backward(), lambda: None, opt, 1, ROWS)
     opt.step()
     serial = unsharded_memory(model, opt)
     psi = sum(p.size for p in trainable(model))
@@ -129,8 +134,7 @@ def test_memory_per_rank_is_the_zero_papers_figure(opt_kind):
         want = {1: (4 * psi, 4 * psi, k * pr), 2: (4 * psi, 4 * pr, k * pr), 3: (4 * pr, 4 * pr, k * pr)}[stage]
         assert (mem["params"], mem["grads"], mem["optimizer"]) == want, f"ZeRO-{stage} on rank {rank}: {mem}"
         if stage == 3:
-            biggest = max(sum(4 * int(np.prod(s.shape)) for s in shards)
-                          for _, _, shards in zero.units)
+            biggest = max(sum(4 * int(np.prod(s.shape)) for s in shards) for _, _, shards in zero.units)
             assert mem["gathered_peak"] == biggest, "stage 3 should hold one layer's parameters at a time"
         else:
             assert mem["gathered_peak"] == 0
@@ -226,8 +230,9 @@ def test_zero_over_a_list_of_parameters_like_a_pipeline_stage(n, stage):
 
     train(model, lambda loss: loss.backward(), finish_and_step, opt, steps, ROWS, rank, n, accum=2)
     got = {name: p.data for name, p in model.named_parameters()}
-    assert_params_close(got, serial_params("adamw", steps, ROWS), **TOL["adamw"],
-                        what=f"ZeRO-{stage} over a parameter list")
+    assert_params_close(
+        got, serial_params("adamw", steps, ROWS), **TOL["adamw"], what=f"ZeRO-{stage} over a parameter list"
+    )
     assert_same_on_all_ranks(got)
     assert all(s.state is not None and s.state["step"] == steps for s in zero.shards)
     assert sorted(zero.full_parameters(), key=int) == [str(i) for i in range(len(zero.shards))]
@@ -254,8 +259,8 @@ def test_square_sums_split_by_a_predicate_and_clipping_by_a_given_norm(stage):
     zero.backward(F.cross_entropy(zero(xp.asarray(shard_rows(x, rank, n))), xp.asarray(shard_rows(y, rank, n))))
     name_of = {id(p): name for name, p in model.named_parameters()}
     sharded, replicated = zero.grad_square_sums(lambda p: mlp(name_of[id(p)]))
-    assert sharded == pytest.approx(sum((g ** 2).sum() for k, g in want.items() if mlp(k)), rel=1e-5)
-    assert replicated == pytest.approx(sum((g ** 2).sum() for k, g in want.items() if not mlp(k)), rel=1e-5)
+    assert sharded == pytest.approx(sum((g**2).sum() for k, g in want.items() if mlp(k)), rel=1e-5)
+    assert replicated == pytest.approx(sum((g**2).sum() for k, g in want.items() if not mlp(k)), rel=1e-5)
     total = 2.0 * np.sqrt(sharded + replicated)  # as if another group had added as much again
     assert zero.clip_grad_norm_(1e-3, total_norm=total) == total
     scale = 1e-3 / (total + 1e-6)
@@ -280,7 +285,7 @@ def test_zero3_recompute_draws_the_serial_dropout_masks():
             x, y = global_batch(t, ROWS)
             first, rows = (rank * ROWS // n, ROWS // n) if zero_stage else (0, ROWS)
             with random.batch_rows(first, ROWS):
-                loss = F.cross_entropy(net(xp.asarray(x[first:first + rows])), xp.asarray(y[first:first + rows]))
+                loss = F.cross_entropy(net(xp.asarray(x[first : first + rows])), xp.asarray(y[first : first + rows]))
                 (net.backward if zero_stage else Tensor.backward)(loss)
             (net.step if zero_stage else opt.step)()
         return net.full_parameters() if zero_stage else {k: p.data for k, p in model.named_parameters()}

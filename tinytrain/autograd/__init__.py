@@ -13,6 +13,17 @@ from tinytrain.autograd.engine import (
 from tinytrain.autograd.tensor import Parameter, Tensor, ones, tensor, zeros
 
 __all__ = [
-    "Context", "Function", "Parameter", "Tensor", "enable_grad", "is_grad_enabled", "no_grad",
-    "ones", "peak_saved_bytes", "reset_peak_saved_bytes", "saved_bytes", "tensor", "zeros",
+    "Context",
+    "Function",
+    "Parameter",
+    "Tensor",
+    "enable_grad",
+    "is_grad_enabled",
+    "no_grad",
+    "ones",
+    "peak_saved_bytes",
+    "reset_peak_saved_bytes",
+    "saved_bytes",
+    "tensor",
+    "zeros",
 ]

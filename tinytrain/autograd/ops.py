@@ -504,9 +504,7 @@ class Concatenate(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return tuple(
-            grad[(slice(None),) * (ctx.axis % grad.ndim) + (slice(lo, hi),)] for lo, hi in ctx.bounds
-        )
+        return tuple(grad[(slice(None),) * (ctx.axis % grad.ndim) + (slice(lo, hi),)] for lo, hi in ctx.bounds)
 
 
 def _split_bounds(sizes):

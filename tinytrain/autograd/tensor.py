@@ -72,11 +72,11 @@ class Tensor:
     def item(self):
         return self.data.item()
 
-    def detach(self) -> "Tensor":
+    def detach(self) -> Tensor:
         """The same values, cut from the graph (shares the array)."""
         return Tensor(self.data)
 
-    def requires_grad_(self, flag: bool = True) -> "Tensor":
+    def requires_grad_(self, flag: bool = True) -> Tensor:
         if not self.is_leaf:
             raise RuntimeError("requires_grad can only be changed on a leaf tensor")
         self.requires_grad = flag

@@ -49,15 +49,24 @@ def _fmt_size(n: int) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", nargs="+", default=None,
-                        help="message sizes, e.g. 1K 64K 1M 64M (default: 1K..64M in steps of 4x)")
+    parser.add_argument(
+        "--sizes", nargs="+", default=None, help="message sizes, e.g. 1K 64K 1M 64M (default: 1K..64M in steps of 4x)"
+    )
     parser.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES)
-    parser.add_argument("--algo", default=None, help="force the all_reduce algorithm (ring, recursive_doubling, halving_doubling, naive)")
+    parser.add_argument(
+        "--algo",
+        default=None,
+        help="force the all_reduce algorithm (ring, recursive_doubling, halving_doubling, naive)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="interleaved ours/MPI rounds per size (best is kept)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     parser.add_argument("--overlap", action="store_true", help="measure compute/communication overlap instead")
-    parser.add_argument("--impl", choices=("reference", "assignments"), default="reference",
-                        help="bench tinytrain's collectives (reference) or yours in assignments/a1_collectives.py")
+    parser.add_argument(
+        "--impl",
+        choices=("reference", "assignments"),
+        default="reference",
+        help="bench tinytrain's collectives (reference) or yours in assignments/a1_collectives.py",
+    )
 
 
 # --- one measurement -------------------------------------------------------------------------------
@@ -139,8 +148,10 @@ def run(args) -> int:
     rows = []
     if rank == 0:
         print(f"# tinytrain bench collectives: {n} ranks, float32, best of {args.rounds} interleaved rounds")
-        print(f"# {'collective':<15}{'algo':<20}{'size':>7}{'time us':>11}{'algbw GB/s':>12}"
-              f"{'busbw GB/s':>12}{'MPI busbw':>11}{'ratio':>7}")
+        print(
+            f"# {'collective':<15}{'algo':<20}{'size':>7}{'time us':>11}{'algbw GB/s':>12}"
+            f"{'busbw GB/s':>12}{'MPI busbw':>11}{'ratio':>7}"
+        )
     impl = _implementation(getattr(args, "impl", "reference"))
     for name in args.collectives:
         for size in sizes:
@@ -150,22 +161,35 @@ def run(args) -> int:
                 if rank == 0:
                     print(f"  {name:<15}not benched: {todo}", flush=True)
                 break
-            algo = {"all_reduce": args.algo or choose_all_reduce_algo(max(1, size // 4) * 4),
-                    "all_gather": "ring", "reduce_scatter": "ring", "all_to_all": "pairwise",
-                    "broadcast": "tree"}[name]
+            algo = {
+                "all_reduce": args.algo or choose_all_reduce_algo(max(1, size // 4) * 4),
+                "all_gather": "ring",
+                "reduce_scatter": "ring",
+                "all_to_all": "pairwise",
+                "broadcast": "tree",
+            }[name]
             factor = _BUS_FACTOR[name](n)
             row = {
-                "collective": name, "algo": algo, "size_bytes": size, "ranks": n,
-                "time_us": ours * 1e6, "mpi_time_us": mpi * 1e6,
-                "algbw_gbps": size / ours / 1e9, "busbw_gbps": size / ours / 1e9 * factor,
-                "mpi_algbw_gbps": size / mpi / 1e9, "mpi_busbw_gbps": size / mpi / 1e9 * factor,
+                "collective": name,
+                "algo": algo,
+                "size_bytes": size,
+                "ranks": n,
+                "time_us": ours * 1e6,
+                "mpi_time_us": mpi * 1e6,
+                "algbw_gbps": size / ours / 1e9,
+                "busbw_gbps": size / ours / 1e9 * factor,
+                "mpi_algbw_gbps": size / mpi / 1e9,
+                "mpi_busbw_gbps": size / mpi / 1e9 * factor,
             }
             row["ratio"] = mpi / ours  # = busbw / mpi_busbw
             rows.append(row)
             if rank == 0:
-                print(f"  {name:<15}{algo:<20}{_fmt_size(size):>7}{row['time_us']:>11.1f}"
-                      f"{row['algbw_gbps']:>12.3f}{row['busbw_gbps']:>12.3f}{row['mpi_busbw_gbps']:>11.3f}"
-                      f"{row['ratio']:>7.2f}", flush=True)
+                print(
+                    f"  {name:<15}{algo:<20}{_fmt_size(size):>7}{row['time_us']:>11.1f}"
+                    f"{row['algbw_gbps']:>12.3f}{row['busbw_gbps']:>12.3f}{row['mpi_busbw_gbps']:>11.3f}"
+                    f"{row['ratio']:>7.2f}",
+                    flush=True,
+                )
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -212,6 +236,7 @@ def _overlap(comm) -> int:
         "gpu-like": (lambda: time.sleep(t_comm / 20), 20),
     }
     for kind, (chunk, chunks) in kinds.items():
+
         def compute(poll=False):
             for _ in range(chunks):
                 chunk()
@@ -231,12 +256,18 @@ def _overlap(comm) -> int:
         dist.stop_progress_thread()
         if comm.Get_rank() == 0:
             ideal, serial = max(t_comm, t_compute), t_comm + t_compute
-            print(f"# overlap of a 16 MiB ring all_reduce with {chunks} chunks of {kind} compute, "
-                  f"{comm.Get_size()} ranks")
-            print(f"  comm alone {t_comm * 1e3:8.1f} ms   compute alone {t_compute * 1e3:8.1f} ms   "
-                  f"serial sum {serial * 1e3:8.1f} ms   perfect overlap {ideal * 1e3:8.1f} ms")
-            for label, t in (("async, no polling", t_none), ("async + progress_all()", t_poll),
-                             ("async + progress thread", t_thread)):
+            print(
+                f"# overlap of a 16 MiB ring all_reduce with {chunks} chunks of {kind} compute, {comm.Get_size()} ranks"
+            )
+            print(
+                f"  comm alone {t_comm * 1e3:8.1f} ms   compute alone {t_compute * 1e3:8.1f} ms   "
+                f"serial sum {serial * 1e3:8.1f} ms   perfect overlap {ideal * 1e3:8.1f} ms"
+            )
+            for label, t in (
+                ("async, no polling", t_none),
+                ("async + progress_all()", t_poll),
+                ("async + progress thread", t_thread),
+            ):
                 hidden = (serial - t) / max(min(t_comm, t_compute), 1e-9)
                 print(f"  {label:<26}{t * 1e3:8.1f} ms   hidden: {100 * max(0.0, hidden):5.0f}% of the shorter part")
     return 0

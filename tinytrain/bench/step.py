@@ -113,8 +113,13 @@ def bench_config(name, steps, torch):
         opt.step()
         return loss.item()
 
-    row = {"config": name, "params": model.num_parameters(), "batch": spec["batch"],
-           "tokens": spec["batch"] * config.block_size, **spec["model"]}
+    row = {
+        "config": name,
+        "params": model.num_parameters(),
+        "batch": spec["batch"],
+        "tokens": spec["batch"] * config.block_size,
+        **spec["model"],
+    }
     if torch is None:
         ours()
         (t_ours,) = _time_steps([ours], steps)
@@ -136,8 +141,11 @@ def bench_config(name, steps, torch):
     if abs(first_ours - first_theirs) > 1e-3 * max(1.0, abs(first_theirs)):
         raise RuntimeError(f"models differ: first loss {first_ours} (tinytrain) vs {first_theirs} (PyTorch)")
     t_ours, t_theirs = _time_steps([ours, theirs], steps)
-    row.update(tinytrain_ms=1e3 * statistics.median(t_ours), torch_ms=1e3 * statistics.median(t_theirs),
-               first_loss_diff=abs(first_ours - first_theirs))
+    row.update(
+        tinytrain_ms=1e3 * statistics.median(t_ours),
+        torch_ms=1e3 * statistics.median(t_theirs),
+        first_loss_diff=abs(first_ours - first_theirs),
+    )
     row["ratio"] = row["tinytrain_ms"] / row["torch_ms"]
     return row
 

@@ -156,7 +156,10 @@ def _broadcast_tree(c: Call, flat, root: int):
     # BEGIN SOLUTION 1.5 "If v != 0, receive from parent v - (v & -v); then send to each child in tree_children(v, n)."
     n = c.size
     v = (c.rank - root) % n
-    absolute = lambda u: (u + root) % n
+
+    def absolute(u):
+        return (u + root) % n
+
     if v:
         parent = v - (v & -v)  # clear the lowest set bit
         yield c.exchange(f"tree broadcast: receive from rank {absolute(parent)}", recvs=[(flat, absolute(parent))])

@@ -107,9 +107,12 @@ class Collectives:
         if algo == "ring" and self._cut_out("_all_reduce_ring", "_ring_reduce_scatter", "_ring_all_gather"):
             algo = "halving_doubling"  # student release: the ring is an assignment (see rooted.py)
         flat = tensor.reshape(-1)
-        body = {"ring": self._alg("_all_reduce_ring") if algo == "ring" else None,
-                "recursive_doubling": doubling.all_reduce_recursive_doubling,
-                "halving_doubling": doubling.all_reduce_halving_doubling, "naive": rooted.all_reduce_naive}[algo]
+        body = {
+            "ring": self._alg("_all_reduce_ring") if algo == "ring" else None,
+            "recursive_doubling": doubling.all_reduce_recursive_doubling,
+            "halving_doubling": doubling.all_reduce_halving_doubling,
+            "naive": rooted.all_reduce_naive,
+        }[algo]
 
         def steps():
             yield from body(c, flat, op)
@@ -139,8 +142,9 @@ class Collectives:
         c = Call(g, "broadcast", algo)
         return run(c, steps(), async_op, signature(tensor, same_shape=True, root=root, algo=algo))
 
-    def reduce(self, tensor, dst: int = 0, op: str = "sum", group=None, async_op: bool = False,
-               algo: str | None = None):
+    def reduce(
+        self, tensor, dst: int = 0, op: str = "sum", group=None, async_op: bool = False, algo: str | None = None
+    ):
         """Reduce ``tensor`` onto rank ``dst``, in place there; other ranks' buffers are unchanged.
 
         algo: ``"tree"`` (binomial), ``"naive"`` (everyone sends to ``dst``).
@@ -163,8 +167,7 @@ class Collectives:
         c = Call(g, "reduce", algo)
         return run(c, steps(), async_op, signature(tensor, same_shape=True, root=root, reduce=op, algo=algo))
 
-    def all_gather(self, tensor, group=None, async_op: bool = False, algo: str | None = None, sizes=None,
-                   out=None):
+    def all_gather(self, tensor, group=None, async_op: bool = False, algo: str | None = None, sizes=None, out=None):
         """Concatenate every rank's ``tensor`` along axis 0, in rank order; returns a new array.
 
         Pieces may differ in length along axis 0 if ``sizes`` (rows per rank, same list on every rank)
@@ -176,8 +179,13 @@ class Collectives:
         check_buffer(tensor, "all_gather")
         check_algo("all_gather", algo, ("ring",), "ring")
         rows, tail = rows_of(tensor)
-        sig = signature(tensor, same_shape=sizes is None, algo="ring", tail=list(tail),
-                   sizes=None if sizes is None else [int(x) for x in sizes])
+        sig = signature(
+            tensor,
+            same_shape=sizes is None,
+            algo="ring",
+            tail=list(tail),
+            sizes=None if sizes is None else [int(x) for x in sizes],
+        )
         sizes = [rows] * g.size if sizes is None else check_sizes(g, sizes, "all_gather")
         if sizes[g.rank] != rows:
             raise ValueError(f"all_gather: sizes[{g.rank}]={sizes[g.rank]} but this rank's tensor has {rows} rows")
@@ -199,8 +207,9 @@ class Collectives:
         c = Call(g, "all_gather", "ring")
         return run(c, steps(), async_op, sig)
 
-    def reduce_scatter(self, tensor, op: str = "sum", group=None, async_op: bool = False, algo: str | None = None,
-                       sizes=None, out=None):
+    def reduce_scatter(
+        self, tensor, op: str = "sum", group=None, async_op: bool = False, algo: str | None = None, sizes=None, out=None
+    ):
         """Reduce ``tensor`` across ranks and give rank r the r-th piece (along axis 0) of the result.
 
         ``tensor`` is the full buffer on every rank and is left unchanged. Pieces are equal unless
@@ -247,8 +256,16 @@ class Collectives:
         c = Call(g, "reduce_scatter", "ring")
         return run(c, steps(), async_op, signature(tensor, same_shape=True, reduce=op, sizes=sizes, algo="ring"))
 
-    def all_to_all(self, tensor, send_sizes=None, recv_sizes=None, group=None, async_op: bool = False,
-                   algo: str | None = None, out=None):
+    def all_to_all(
+        self,
+        tensor,
+        send_sizes=None,
+        recv_sizes=None,
+        group=None,
+        async_op: bool = False,
+        algo: str | None = None,
+        out=None,
+    ):
         """Rank r sends rows ``send_sizes[p]`` of ``tensor`` (in order, along axis 0) to each rank p and
         returns the rows it receives, concatenated in rank order.
 
@@ -335,8 +352,10 @@ class Collectives:
             check_buffer(full, "scatter (full)")
             want = (rows * g.size,) + tail
             if tuple(full.shape) != want or full.dtype != tensor.dtype:
-                raise ValueError(f"scatter: full must have shape {want} and dtype {tensor.dtype} "
-                                 f"(n pieces of tensor's shape), got {tuple(full.shape)} {full.dtype}")
+                raise ValueError(
+                    f"scatter: full must have shape {want} and dtype {tensor.dtype} "
+                    f"(n pieces of tensor's shape), got {tuple(full.shape)} {full.dtype}"
+                )
         bounds = chunk_bounds([tensor.size] * g.size)
 
         def steps():

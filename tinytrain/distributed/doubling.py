@@ -82,7 +82,10 @@ def all_reduce_halving_doubling(c: Call, flat, op: str):
         yield c.exchange(f"halving-doubling: fold from rank {r + p}", recvs=[(tmp, r + p)])
         combine(flat, tmp, op)
     bounds = chunk_bounds(split_counts(flat.size, p))
-    span = lambda lo, hi: (bounds[lo][0], bounds[hi - 1][1])  # (chunks -> elements)
+
+    def span(lo, hi):
+        return (bounds[lo][0], bounds[hi - 1][1])  # (chunks -> elements)
+
     lo, hi, windows = 0, p, []
     mask = p >> 1
     while mask:  # reduce-scatter by halving
@@ -91,7 +94,8 @@ def all_reduce_halving_doubling(c: Call, flat, op: str):
         (ka, kb), (ga, gb) = span(*keep), span(*give)
         yield c.exchange(
             f"halving step with rank {partner} (keep chunks {keep[0]}..{keep[1] - 1})",
-            sends=[(flat[ga:gb], partner)], recvs=[(tmp[ka:kb], partner)],
+            sends=[(flat[ga:gb], partner)],
+            recvs=[(tmp[ka:kb], partner)],
         )
         combine(flat[ka:kb], tmp[ka:kb], op)
         windows.append((lo, hi))
@@ -105,7 +109,8 @@ def all_reduce_halving_doubling(c: Call, flat, op: str):
         (ma, mb), (oa, ob) = span(lo, hi), span(*other)
         yield c.exchange(
             f"doubling step with rank {partner} (send chunks {lo}..{hi - 1})",
-            sends=[(flat[ma:mb], partner)], recvs=[(flat[oa:ob], partner)],
+            sends=[(flat[ma:mb], partner)],
+            recvs=[(flat[oa:ob], partner)],
         )
         lo, hi = parent_lo, parent_hi
         mask <<= 1

@@ -42,8 +42,7 @@ def check_buffer(tensor, what: str, writable: bool = False):
     """Validate an array handed to a communication call; return it unchanged."""
     if not backend.is_array(tensor):
         raise TypeError(
-            f"{what} expects a NumPy/CuPy array, got {type(tensor).__name__}; "
-            "for a tinytrain Tensor pass tensor.data"
+            f"{what} expects a NumPy/CuPy array, got {type(tensor).__name__}; for a tinytrain Tensor pass tensor.data"
         )
     if not tensor.flags.c_contiguous:
         raise ValueError(
@@ -132,8 +131,14 @@ class Exchange:
             self.after = []
         if trace.enabled and self.labels:
             trace.record(
-                self.op, "comm.step", self.start, trace.now(), group=self.group.name, step=self.what,
-                peer=[p for _, p in self.labels], bytes=self.nbytes,
+                self.op,
+                "comm.step",
+                self.start,
+                trace.now(),
+                group=self.group.name,
+                step=self.what,
+                peer=[p for _, p in self.labels],
+                bytes=self.nbytes,
             )
             self.labels = []
         return True

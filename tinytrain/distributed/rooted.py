@@ -74,7 +74,10 @@ def reduce_tree(c: Call, flat, root: int, op: str):
     """Binomial-tree reduce; the result lands in ``flat`` on the root (others' buffers untouched)."""
     n = c.size
     v = (c.rank - root) % n
-    absolute = lambda u: (u + root) % n
+
+    def absolute(u):
+        return (u + root) % n
+
     acc = flat if v == 0 else flat.copy()
     tmp = xp_of(flat).empty_like(flat)
     for kid in tree_children(v, n):  # smallest subtree first: it finishes first

@@ -101,8 +101,15 @@ class Work:
         if trace.enabled:
             c = self._call
             trace.record(
-                c.op, "comm", c.start, trace.now(), group=c.group.name, algo=c.algo, seq=c.seq,
-                peer=sorted(c.group.world_rank(p) for p in c.peers), bytes=c.bytes_sent,
+                c.op,
+                "comm",
+                c.start,
+                trace.now(),
+                group=c.group.name,
+                algo=c.algo,
+                seq=c.seq,
+                peer=sorted(c.group.world_rank(p) for p in c.peers),
+                bytes=c.bytes_sent,
                 bytes_recv=c.bytes_recv,
             )
 

@@ -7,6 +7,17 @@ from tinytrain.nn.moe import MoE
 from tinytrain.nn.transformer import GPT, MLP, Block, CausalSelfAttention, GPTConfig
 
 __all__ = [
-    "GPT", "MLP", "Block", "CausalSelfAttention", "Dropout", "Embedding", "GPTConfig", "LayerNorm",
-    "Linear", "MoE", "Module", "ModuleList", "Parameter",
+    "GPT",
+    "MLP",
+    "Block",
+    "CausalSelfAttention",
+    "Dropout",
+    "Embedding",
+    "GPTConfig",
+    "LayerNorm",
+    "Linear",
+    "MoE",
+    "Module",
+    "ModuleList",
+    "Parameter",
 ]

@@ -71,12 +71,12 @@ class Module:
 
     # --- modes and gradients ----------------------------------------------------------------
 
-    def train(self, mode: bool = True) -> "Module":
+    def train(self, mode: bool = True) -> Module:
         for m in self.modules():
             object.__setattr__(m, "training", mode)
         return self
 
-    def eval(self) -> "Module":
+    def eval(self) -> Module:
         return self.train(False)
 
     def zero_grad(self) -> None:
@@ -85,7 +85,7 @@ class Module:
 
     # --- state ------------------------------------------------------------------------------
 
-    def state_dict(self) -> "OrderedDict[str, object]":
+    def state_dict(self) -> OrderedDict[str, object]:
         """Parameter name -> host (NumPy) copy of its values."""
         return OrderedDict((name, to_host(p.data).copy()) for name, p in self.named_parameters())
 

@@ -55,8 +55,9 @@ def route(probs_host: numpy.ndarray, top_k: int, capacity: int | None):
 
 
 class MoE(Module):
-    def __init__(self, n_embd, hidden, n_experts, top_k=2, capacity_factor=0.0, dropout=0.0,
-                 bias=True, proj_std=0.02, rng=None):
+    def __init__(
+        self, n_embd, hidden, n_experts, top_k=2, capacity_factor=0.0, dropout=0.0, bias=True, proj_std=0.02, rng=None
+    ):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
@@ -91,7 +92,7 @@ class MoE(Module):
         outputs, start = [], 0
         for e, expert in enumerate(self.experts):
             if counts[e]:
-                outputs.append(expert(sorted_tokens[start:start + counts[e]]))
+                outputs.append(expert(sorted_tokens[start : start + counts[e]]))
             start += counts[e]
         dropped = int((~kept).sum())
         if dropped:  # dropped assignments contribute zeros

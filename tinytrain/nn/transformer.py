@@ -51,9 +51,7 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.n_experts < 0 or (self.n_experts and not 1 <= self.moe_top_k <= self.n_experts):
-            raise ValueError(
-                f"moe_top_k={self.moe_top_k} must be between 1 and n_experts={self.n_experts}"
-            )
+            raise ValueError(f"moe_top_k={self.moe_top_k} must be between 1 and n_experts={self.n_experts}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,8 +98,17 @@ class Block(Module):
         self.attn = CausalSelfAttention(config, rng)
         self.ln_2 = LayerNorm(C, bias=config.bias)
         if config.n_experts:
-            self.mlp = MoE(C, 4 * C, config.n_experts, config.moe_top_k, config.moe_capacity_factor,
-                           config.dropout, config.bias, proj_std, rng)
+            self.mlp = MoE(
+                C,
+                4 * C,
+                config.n_experts,
+                config.moe_top_k,
+                config.moe_capacity_factor,
+                config.dropout,
+                config.bias,
+                proj_std,
+                rng,
+            )
         else:
             self.mlp = MLP(C, 4 * C, config.dropout, config.bias, proj_std, rng)
 

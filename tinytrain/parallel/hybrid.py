@@ -119,7 +119,7 @@ class ParallelModel:
         per = total // plan.dp
         first = self.dp_rank * per
         n_targets = int((y != IGNORE).sum()) / plan.dp  # DP averages: (sum over replicas) / targets
-        x, y = x[first:first + per], y[first:first + per]
+        x, y = x[first : first + per], y[first : first + per]
         if self.stage is not None:
             from tinytrain.parallel.pipeline import train_step
 

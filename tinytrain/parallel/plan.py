@@ -5,7 +5,6 @@ The mesh has TP innermost, then PP, DP outermost; ``hybrid.parallelize`` applies
 model. This module imports nothing that talks between ranks, so the CLI checks flags without MPI.
 """
 
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,25 +58,34 @@ class Plan:
         if self.pp == 1 and (self.chunks != 1 or self.microbatches):
             raise ValueError("--chunks and --microbatches cut the batch for a pipeline: they need --pp 2 or more")
         if self.zero > 1 and self.pp > 1:
-            raise ValueError(f"--zero {self.zero} with --pp would reduce-scatter gradients (and gather parameters) "
-                             "once per micro-batch; pipelines accumulate micro-batches, so use --zero 1 with --pp "
-                             "(as Megatron-LM and DeepSpeed do)")
+            raise ValueError(
+                f"--zero {self.zero} with --pp would reduce-scatter gradients (and gather parameters) "
+                "once per micro-batch; pipelines accumulate micro-batches, so use --zero 1 with --pp "
+                "(as Megatron-LM and DeepSpeed do)"
+            )
         if self.zero > 1 and self.tp > 1:
-            raise ValueError(f"--zero {self.zero} with --tp is not composed here (ZeRO-2/3 would shard gradients "
-                             "mid-backward across tensor-parallel shards); use --zero 1 with --tp")
+            raise ValueError(
+                f"--zero {self.zero} with --tp is not composed here (ZeRO-2/3 would shard gradients "
+                "mid-backward across tensor-parallel shards); use --zero 1 with --tp"
+            )
         if config.n_experts and self.world_size > 1:
-            raise ValueError("--experts trains serially for now: its load-balancing loss is a whole-batch "
-                             "statistic that replicas and stages would each compute on their part")
+            raise ValueError(
+                "--experts trains serially for now: its load-balancing loss is a whole-batch "
+                "statistic that replicas and stages would each compute on their part"
+            )
         if self.tp > 1 and not config.tie_weights:
             raise ValueError("--tp shards the plain GPT with tied weights")
         if world_size != self.world_size:
-            raise ValueError(f"{self.flags()} needs exactly {self.world_size} ranks (dp x pp x tp): run `mpirun -n "
-                             f"{self.world_size} tinytrain train {self.flags()} ...` (this run has {world_size})")
+            raise ValueError(
+                f"{self.flags()} needs exactly {self.world_size} ranks (dp x pp x tp): run `mpirun -n "
+                f"{self.world_size} tinytrain train {self.flags()} ...` (this run has {world_size})"
+            )
         if batch_size % (self.dp * (self.n_microbatches if self.pp > 1 else 1)):
             per = f"{self.dp} replicas x {self.n_microbatches} micro-batches" if self.pp > 1 else f"{self.dp} replicas"
             step = self.dp * (self.n_microbatches if self.pp > 1 else 1)
-            raise ValueError(f"--batch-size {batch_size} (the global batch) does not split into {per}; "
-                             f"use a multiple of {step}")
+            raise ValueError(
+                f"--batch-size {batch_size} (the global batch) does not split into {per}; use a multiple of {step}"
+            )
         if self.pp > 1:  # schedule and split errors name the flags already
             from tinytrain.parallel.pipeline import make_schedule, split_layers
 

@@ -79,8 +79,9 @@ def validate(schedule, chunks: int = 1) -> None:
     del stages
 
 
-def simulate(schedule, forward_cost: float = 1.0, backward_cost: float = 2.0, comm_cost: float = 0.0,
-             chunks: int = 1) -> Timeline:
+def simulate(
+    schedule, forward_cost: float = 1.0, backward_cost: float = 2.0, comm_cost: float = 0.0, chunks: int = 1
+) -> Timeline:
     """Play ``schedule`` with per-pass costs (a chunk's pass costs 1/chunks of a stage's).
 
     Each stage runs its actions in order, each as soon as the stage is free and the pass it
@@ -117,9 +118,12 @@ def simulate(schedule, forward_cost: float = 1.0, backward_cost: float = 2.0, co
                 remaining -= 1
                 progressed = True
         if not progressed:
-            waiting = [f"stage {s} at {schedule[s][position[s]]} waits for "
-                       f"{_describe(_dependency(s, schedule[s][position[s]], stages, n_virtual), stages)}"
-                       for s in range(stages) if position[s] < len(schedule[s])]
+            waiting = [
+                f"stage {s} at {schedule[s][position[s]]} waits for "
+                f"{_describe(_dependency(s, schedule[s][position[s]], stages, n_virtual), stages)}"
+                for s in range(stages)
+                if position[s] < len(schedule[s])
+            ]
             raise ScheduleError("the schedule deadlocks: " + "; ".join(waiting))
     makespan = max(free_at)
     busy = sum(e - st for _, _, st, e in events)

@@ -34,7 +34,7 @@ class ShardedParam:
         self.users = self.pending_users = 0  # stage 3: layers using p (tied: 2), not yet backpropagated
 
     def my_piece(self, full):
-        return full.reshape(-1)[self.start:self.stop]
+        return full.reshape(-1)[self.start : self.stop]
 
 
 class ShardedUnit(Function):
@@ -72,20 +72,25 @@ def gpt_units(model) -> list:
 def unsharded_memory(module, optimizer) -> dict:
     """What a plain (serial or DDP) rank holds: the figure ZeRO is compared against."""
     params = [p for p in module.parameters() if p.requires_grad]
-    return {"params": sum(p.nbytes for p in params),
-            "grads": sum(p.grad.nbytes for p in params if p.grad is not None),
-            "optimizer": optimizer.state_bytes()}
+    return {
+        "params": sum(p.nbytes for p in params),
+        "grads": sum(p.grad.nbytes for p in params if p.grad is not None),
+        "optimizer": optimizer.state_bytes(),
+    }
 
 
 def held_bytes(shards, params=(), gathered_peak: int = 0) -> dict:
     """What a ZeRO rank holds now, measured from its arrays, with no formula per stage: per parameter
     the full W and g where the rank has them, else its pieces (stage 1's piece of g is a view into
     p.grad, so it adds nothing); the optimizer state of its pieces; frozen ``params`` apart."""
+
     def held(full, piece):
         return full.nbytes if full is not None and full.size else getattr(piece, "nbytes", 0)
 
-    return {"params": sum(held(s.p.data, s.data) for s in shards),
-            "grads": sum(held(s.p.grad, s.grad) for s in shards),
-            "optimizer": sum(a.nbytes for s in shards if s.state for a in s.state.values() if hasattr(a, "nbytes")),
-            "gathered_peak": gathered_peak,
-            "frozen": sum(p.nbytes for p in params if not p.requires_grad)}
+    return {
+        "params": sum(held(s.p.data, s.data) for s in shards),
+        "grads": sum(held(s.p.grad, s.grad) for s in shards),
+        "optimizer": sum(a.nbytes for s in shards if s.state for a in s.state.values() if hasattr(a, "nbytes")),
+        "gathered_peak": gathered_peak,
+        "frozen": sum(p.nbytes for p in params if not p.requires_grad),
+    }

@@ -33,8 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("run")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--out", default="runs/latest", help="folder for metrics.json, loss.png and the checkpoint ckpt/")
-    run.add_argument("--resume", action="store_true",
-                     help="continue from OUT/ckpt (written by any layout: the run may change --dp/--tp/--pp/--zero)")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from OUT/ckpt (written by any layout: the run may change --dp/--tp/--pp/--zero)",
+    )
     run.add_argument("--eval-every", type=int, default=100)
     run.add_argument("--eval-batches", type=int, default=4)
     run.add_argument("--ckpt-every", type=int, default=200)
@@ -47,14 +50,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: 2 x --pp)")
     par.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved schedule)")
     par.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
-    par.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
-                     help="ZeRO stage over the data-parallel ranks (1 optimizer state, 2 + gradients, 3 + parameters)")
+    par.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=0,
+        help="ZeRO stage over the data-parallel ranks (1 optimizer state, 2 + gradients, 3 + parameters)",
+    )
     par.add_argument("--bucket-mb", type=float, default=1.0, help="DDP gradient bucket size in MB")
-    par.add_argument("--progress", choices=("poll", "thread"), default="poll",
-                     help="how async all-reduces advance during backward: polled from hooks, or a helper thread")
+    par.add_argument(
+        "--progress",
+        choices=("poll", "thread"),
+        default="poll",
+        help="how async all-reduces advance during backward: polled from hooks, or a helper thread",
+    )
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (heads, width and vocabulary split)")
-    par.add_argument("--sp", action="store_true",
-                     help="with --tp: sequence parallel (LayerNorm/dropout on sequence shards)")
+    par.add_argument(
+        "--sp", action="store_true", help="with --tp: sequence parallel (LayerNorm/dropout on sequence shards)"
+    )
     run.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -75,14 +88,29 @@ def plan_of(args):
     """The parallel layout the flags ask for (``tinytrain.parallel.plan.Plan``)."""
     from tinytrain.parallel.plan import Plan
 
-    return Plan(dp=args.dp, tp=args.tp, pp=args.pp, sp=args.sp, zero=args.zero, schedule=args.schedule,
-                microbatches=args.microbatches, chunks=args.chunks, bucket_mb=args.bucket_mb, progress=args.progress)
+    return Plan(
+        dp=args.dp,
+        tp=args.tp,
+        pp=args.pp,
+        sp=args.sp,
+        zero=args.zero,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        chunks=args.chunks,
+        bucket_mb=args.bucket_mb,
+        progress=args.progress,
+    )
 
 
 def build_model(args, dataset) -> GPT:
     config = GPTConfig(
-        vocab_size=dataset.vocab_size, block_size=dataset.block_size, n_layer=args.layers,
-        n_head=args.heads, n_embd=args.width, dropout=args.dropout, n_experts=args.experts,
+        vocab_size=dataset.vocab_size,
+        block_size=dataset.block_size,
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_embd=args.width,
+        dropout=args.dropout,
+        n_experts=args.experts,
         moe_top_k=min(2, args.experts) if args.experts else 2,
     )
     return GPT(config, seed=args.seed)

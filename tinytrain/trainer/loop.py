@@ -73,8 +73,10 @@ class Progress:
         bar = "#" * int(24 * done) + "-" * (24 - int(24 * done))
         elapsed = time.perf_counter() - self.start
         eta = elapsed / max(done, 1e-9) - elapsed
-        line = (f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] loss {loss:.4f} "
-                f"| {tokens_per_s / 1000:.1f}k tok/s | eta {eta:4.0f}s {extra}")
+        line = (
+            f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] loss {loss:.4f} "
+            f"| {tokens_per_s / 1000:.1f}k tok/s | eta {eta:4.0f}s {extra}"
+        )
         if self.tty:
             print("\r" + line, end="\n" if step == self.total else "", file=sys.stderr, flush=True)
         elif step % self.every == 0 or step == self.total or extra:
@@ -94,9 +96,15 @@ def run(args) -> int:
         trace.enable()
     out = Path(args.out)
     ckpt = out / "ckpt"
-    metrics = {"config": {"args": _plain_args(args), "model": model.config.to_dict(), "device": device,
-                          "parameters": model.num_parameters()},
-               "steps": []}
+    metrics = {
+        "config": {
+            "args": _plain_args(args),
+            "model": model.config.to_dict(),
+            "device": device,
+            "parameters": model.num_parameters(),
+        },
+        "steps": [],
+    }
     start_step = 0
     if args.resume:
         start_step, metrics["steps"] = resume(ckpt, runner, model, optimizer, schedule, args)
@@ -104,9 +112,11 @@ def run(args) -> int:
             print(f"checkpoint is at step {start_step}; nothing to do for --steps {args.steps}", file=sys.stderr)
 
     if not quiet:
-        print(f"tinytrain: GPT with {model.num_parameters():,} parameters on {device}, data={dataset.name}, "
-              f"batch {args.batch_size} x {dataset.block_size} tokens, steps {start_step + 1}..{args.steps}",
-              file=sys.stderr)
+        print(
+            f"tinytrain: GPT with {model.num_parameters():,} parameters on {device}, data={dataset.name}, "
+            f"batch {args.batch_size} x {dataset.block_size} tokens, steps {start_step + 1}..{args.steps}",
+            file=sys.stderr,
+        )
     progress = Progress(args.steps, quiet)
     tokens_per_step = args.batch_size * dataset.block_size
     for step in range(start_step + 1, args.steps + 1):
@@ -138,8 +148,14 @@ def run(args) -> int:
         metrics["steps"].append(record)
         progress.update(step, loss_value, record["tokens_per_s"], extra)
         if step % args.ckpt_every == 0 or step == args.steps:
-            meta = {"step": step, "seed": args.seed, "optimizer": args.optimizer, "args": _plain_args(args),
-                    "model_config": model.config.to_dict(), "metrics_steps": metrics["steps"]}
+            meta = {
+                "step": step,
+                "seed": args.seed,
+                "optimizer": args.optimizer,
+                "args": _plain_args(args),
+                "model_config": model.config.to_dict(),
+                "metrics_steps": metrics["steps"],
+            }
             runner.save(ckpt, step, optimizer, meta)
 
     runner.share_model()
@@ -167,18 +183,26 @@ def resume(ckpt: Path, runner, model, optimizer, schedule, args) -> tuple[int, l
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     saved = {name: tuple(shape) for name, shape in meta["tensors"].items()}
     if set(saved) != set(shapes):
-        raise ValueError(f"the checkpoint in {ckpt} holds other parameters ({sorted(set(saved) ^ set(shapes))[:3]} "
-                         "differ); resume with the model settings it was trained with")
+        raise ValueError(
+            f"the checkpoint in {ckpt} holds other parameters ({sorted(set(saved) ^ set(shapes))[:3]} "
+            "differ); resume with the model settings it was trained with"
+        )
     for name, shape in shapes.items():
         if saved[name] != shape:
-            raise ValueError(f"{name}: checkpoint shape {saved[name]} != model shape {shape}; resume with the "
-                             "--layers/--heads/--width/--data settings the checkpoint was trained with")
+            raise ValueError(
+                f"{name}: checkpoint shape {saved[name]} != model shape {shape}; resume with the "
+                "--layers/--heads/--width/--data settings the checkpoint was trained with"
+            )
     if meta["optimizer"] != args.optimizer:
-        raise ValueError(f"the checkpoint in {ckpt} was trained with --optimizer {meta['optimizer']}; "
-                         f"resume with --optimizer {meta['optimizer']}")
+        raise ValueError(
+            f"the checkpoint in {ckpt} was trained with --optimizer {meta['optimizer']}; "
+            f"resume with --optimizer {meta['optimizer']}"
+        )
     if meta["seed"] != args.seed:
-        raise ValueError(f"the checkpoint in {ckpt} was trained with --seed {meta['seed']}; resume with that seed "
-                         "(batches and dropout masks follow it)")
+        raise ValueError(
+            f"the checkpoint in {ckpt} was trained with --seed {meta['seed']}; resume with that seed "
+            "(batches and dropout masks follow it)"
+        )
     runner.load(reader, optimizer)
     step = meta["step"]
     schedule.last_step = step

@@ -12,21 +12,33 @@ def plot_last_pipeline_step(spans, plan, args, out: Path) -> None:
     from tinytrain.viz import bubble_share, compare_pipelines, pipeline_events, plot_activation_memory
 
     last = {s["rank"]: s for s in spans if s["cat"] == "step" and s["args"]["step"] == args.steps}
-    in_last = [s for s in spans if s["rank"] in last and last[s["rank"]]["start"] <= s["start"] <= last[s["rank"]]["end"]]
+    in_last = [
+        s for s in spans if s["rank"] in last and last[s["rank"]]["start"] <= s["start"] <= last[s["rank"]]["end"]
+    ]
     measured = pipeline_events(in_last)
     from tinytrain.parallel.pipeline import make_schedule
 
     p, m, v = plan.pp, plan.n_microbatches, plan.chunks
     simulated = simulate(make_schedule(plan.schedule, p, m, v), chunks=v).rows()
     formula = bubble_formula(p, m, v)
-    compare_pipelines([(f"simulated {args.schedule}", simulated), (f"measured {args.schedule}, step {args.steps}", measured)],
-                      out / "pipeline.png", formulas=[formula, formula], sharex=False,
-                      units_ms=[False, True])
+    compare_pipelines(
+        [(f"simulated {args.schedule}", simulated), (f"measured {args.schedule}, step {args.steps}", measured)],
+        out / "pipeline.png",
+        formulas=[formula, formula],
+        sharex=False,
+        units_ms=[False, True],
+    )
     memory = {}
     for s in in_last:
         if s["cat"] == "memory":
             memory.setdefault(f"stage {s['rank']}", []).append((s["start"], s["args"]["bytes"]))
-    plot_activation_memory(dict(sorted(memory.items())), out / "activation_memory.png",
-                           title=f"bytes saved for backward during step {args.steps} ({args.schedule})")
-    print(f"pipeline: measured bubble share {bubble_share(measured):.1%}, formula (p-1)/(v·m+p-1) = {formula:.1%}; "
-          f"wrote {out}/pipeline.png and activation_memory.png", file=sys.stderr)
+    plot_activation_memory(
+        dict(sorted(memory.items())),
+        out / "activation_memory.png",
+        title=f"bytes saved for backward during step {args.steps} ({args.schedule})",
+    )
+    print(
+        f"pipeline: measured bubble share {bubble_share(measured):.1%}, formula (p-1)/(v·m+p-1) = {formula:.1%}; "
+        f"wrote {out}/pipeline.png and activation_memory.png",
+        file=sys.stderr,
+    )

@@ -113,8 +113,9 @@ class MeshRunner:
         checkpoint.write_pieces(folder, step, self.rank, pieces, scalars)
         self.dist.barrier()  # every rank's pieces are on disk before the manifest names them
         if self.is_main:
-            checkpoint.commit(folder, step, self.dist.get_world_size(), _shapes(self.model),
-                              dict(meta, layout=self.plan.flags()))
+            checkpoint.commit(
+                folder, step, self.dist.get_world_size(), _shapes(self.model), dict(meta, layout=self.plan.flags())
+            )
         self.dist.barrier()
 
     def load(self, reader, optimizer) -> None:
@@ -152,8 +153,10 @@ class MeshRunner:
         def mb(b):
             return f"{b / 2**20:9.3f}"
 
-        lines = [f"ZeRO-{zero.stage} memory per rank (MiB), Ψ = {psi:,} trainable parameters:",
-                 f"{'':10}{'params':>10}{'grads':>10}{'optimizer':>10}{'total':>10}{'gathered':>10}"]
+        lines = [
+            f"ZeRO-{zero.stage} memory per rank (MiB), Ψ = {psi:,} trainable parameters:",
+            f"{'':10}{'params':>10}{'grads':>10}{'optimizer':>10}{'total':>10}{'gathered':>10}",
+        ]
         for r, row in enumerate(rows.tolist()):
             lines.append(f"rank {r:<5}{mb(row[0])} {mb(row[1])} {mb(row[2])} {mb(sum(row[:3]))} {mb(row[3])}")
         lines.append(f"{'unsharded':10}{mb(full[0])} {mb(full[1])} {mb(full[2])} {mb(sum(full))}")

@@ -42,9 +42,24 @@ from tinytrain.parallel.tensor_parallel.model import (
 )
 
 __all__ = [
-    "ColumnParallelLinear", "CopyToRegion", "GatherFromRegion", "GatherFromSequenceRegion", "Parallel",
-    "ParallelAttention", "ParallelBlock", "ParallelMLP", "ReduceFromRegion", "ReduceScatterToSequenceRegion",
-    "ReplicatedLayerNorm", "RowParallelLinear", "ScatterToRegion", "ScatterToSequenceRegion", "Shard",
-    "TensorParallelGPT", "VocabParallelCrossEntropy", "VocabParallelEmbedding", "tensor_parallel_gpt",
+    "ColumnParallelLinear",
+    "CopyToRegion",
+    "GatherFromRegion",
+    "GatherFromSequenceRegion",
+    "Parallel",
+    "ParallelAttention",
+    "ParallelBlock",
+    "ParallelMLP",
+    "ReduceFromRegion",
+    "ReduceScatterToSequenceRegion",
+    "ReplicatedLayerNorm",
+    "RowParallelLinear",
+    "ScatterToRegion",
+    "ScatterToSequenceRegion",
+    "Shard",
+    "TensorParallelGPT",
+    "VocabParallelCrossEntropy",
+    "VocabParallelEmbedding",
+    "tensor_parallel_gpt",
     "vocab_parallel_cross_entropy",
 ]

@@ -71,5 +71,6 @@ class VocabParallelCrossEntropy(Function):
 def vocab_parallel_cross_entropy(logits, targets, group, vocab_start, ignore_index=-100, denominator=None):
     """Mean NLL of ``targets`` (over the non-ignored ones, or divided by ``denominator``)."""
     targets = xp.asarray(targets.data if isinstance(targets, Tensor) else targets)
-    return VocabParallelCrossEntropy.apply(logits, targets, group=group, vocab_start=vocab_start,
-                                           ignore_index=ignore_index, denominator=denominator)
+    return VocabParallelCrossEntropy.apply(
+        logits, targets, group=group, vocab_start=vocab_start, ignore_index=ignore_index, denominator=denominator
+    )

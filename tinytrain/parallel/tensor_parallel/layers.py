@@ -87,8 +87,10 @@ def split_size(total: int, what: str, group) -> int:
     """``total / t``, or a ValueError that says what to change."""
     n = dist.get_world_size(group)
     if total % n:
-        raise ValueError(f"{what} = {total} does not split over a tensor-parallel group of {n} ranks; "
-                         f"choose a TP size that divides {total}, or change {what}")
+        raise ValueError(
+            f"{what} = {total} does not split over a tensor-parallel group of {n} ranks; "
+            f"choose a TP size that divides {total}, or change {what}"
+        )
     return total // n
 
 
@@ -126,8 +128,11 @@ class Parallel(Module):
 
     def shards(self) -> list[Shard]:
         """The Shard of every parameter of this layer and the layers inside it."""
-        return [Shard(getattr(m, attr), s.name, s.axis, s.start, s.stop, s.partial)
-                for _, m in self.named_modules() for attr, s in getattr(m, "sources", {}).items()]
+        return [
+            Shard(getattr(m, attr), s.name, s.axis, s.start, s.stop, s.partial)
+            for _, m in self.named_modules()
+            for attr, s in getattr(m, "sources", {}).items()
+        ]
 
     def enter(self, x):
         """Into a column-parallel region: all-gather the sequence (SP) or copy (TP)."""
@@ -178,7 +183,9 @@ class RowParallelLinear(Parallel):
         super().__init__(group, sequence_parallel)
         split_size(linear.in_features, f"{name or 'Linear'} input width", group)
         self.keep("weight", shard(linear.weight, 0, group, join(name, "weight")))
-        self.keep("bias", None if linear.bias is None else replicate(linear.bias, join(name, "bias"), sequence_parallel))
+        self.keep(
+            "bias", None if linear.bias is None else replicate(linear.bias, join(name, "bias"), sequence_parallel)
+        )
 
     def forward(self, x):
         # BEGIN SOLUTION 4.2 "Local partial product, then leave() (all-reduce or reduce-scatter); add the bias once, after."
