@@ -2,8 +2,9 @@
 
 Each test trains a tiny GPT with ``impl.zero.Zero`` at one stage and checks three things against
 formulas, never against stored numbers: the parameters equal a serial run on the same global
-batches (SGD atol 1e-6, AdamW atol 2e-4 at lr 1e-2 with eps 1e-6: Adam turns a gradient near zero
-into a step of about lr whatever its rounding, and eps 1e-6 keeps rounding-sized gradients small), the bytes each rank holds are the ZeRO paper's (fp32 + Adam: stage 1 8Ψ + 8Ψ_r,
+batches (SGD atol 1e-6, AdamW atol 2e-4 at lr 1e-2 with eps 1e-6: Adam turns a gradient near
+zero into a step of about lr whatever its rounding, and eps 1e-6 keeps rounding-sized gradients
+small), the bytes each rank holds are the ZeRO paper's (fp32 + Adam: stage 1 8Ψ + 8Ψ_r,
 stage 2 4Ψ + 12Ψ_r, stage 3 16Ψ_r, Ψ_r = this rank's elements), and the bytes sent are exactly
 ring reduce-scatter + all-gather (twice the gathers in stage 3). Seeds are drawn at run time;
 replay with ``TINYTRAIN_GRADER_SEED=<seed>``.
