@@ -298,3 +298,12 @@ def test_loss_falls_on_the_addition_task(tmp_path):
     assert first == pytest.approx(numpy.log(12), rel=0.1)  # starts near uniform over the vocabulary
     assert m["final"]["val_loss"] < 0.85 * first, (first, m["final"])
     assert m["final"]["train_loss"] < 0.85 * first
+
+
+def test_the_serial_runner_implements_the_runner_protocol():
+    from tinytrain.nn import GPT, GPTConfig
+    from tinytrain.trainer.runners import Runner, SerialRunner
+
+    runner = SerialRunner(GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=2, n_embd=8)))
+    assert isinstance(runner, Runner)
+    assert not isinstance(object(), Runner)

@@ -174,3 +174,13 @@ def test_impossible_layouts_are_refused_with_what_to_change(tmp_path, capsys, ex
     assert exc.value.code == 2
     if dist.get_rank() == 0:
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.world_size(2)
+def test_the_mesh_runner_implements_the_runner_protocol():
+    from tinytrain.nn import GPT, GPTConfig
+    from tinytrain.parallel.plan import Plan
+    from tinytrain.trainer.runners import MeshRunner, Runner
+
+    model = GPT(GPTConfig(vocab_size=6, block_size=4, n_layer=2, n_head=2, n_embd=8))
+    assert isinstance(MeshRunner(model, Plan(pp=2), batch_size=4), Runner)

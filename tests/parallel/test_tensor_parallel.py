@@ -122,8 +122,7 @@ def test_shards_cover_the_serial_parameters_and_dropout_sites_the_serial_dropout
     assert {s.name for s in shards if s.replicated} == {s.name for s in shards if s.partial} | {"wpe.weight"}
     wte = next(s for s in shards if s.name == "wte.weight")
     assert (wte.axis, wte.start, wte.stop) == (0, dist.get_rank() * VOCAB // 2, (dist.get_rank() + 1) * VOCAB // 2)
-    p, name, axis, start, stop, partial = wte  # tp_runner.py and train.py still unpack 6-tuples
-    assert (p, name, axis, start, stop, partial) == (wte.param, "wte.weight", 0, wte.start, wte.stop, False)
+    assert wte.placement.cut(serial.wte.weight.data).shape == wte.param.shape
     sites = {m.dropout_site for m in parallel.modules() if hasattr(m, "dropout_site")}
     assert sites == {name for name, m in serial.named_modules() if isinstance(m, Dropout)}
 

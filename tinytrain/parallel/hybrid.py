@@ -66,7 +66,7 @@ class ParallelModel:
 
         part = tensor_parallel_gpt(model, self.tp_group, sequence_parallel=self.plan.sp)
         for s in part.shards():
-            self.placement[id(s.param)] = Placement(s.name, s.axis, s.start, s.stop)
+            self.placement[id(s.param)] = s.placement
             if s.partial:  # SP: saw only my tokens; sum over the TP group as each gradient arrives,
                 s.param.register_hook(self._sum_over_tp)  # so DP/ZeRO and micro-batches see whole ones
         return part

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from tinytrain import checkpoint
 from tinytrain.checkpoint import Placement
 from tinytrain.optim import clip_grad_norm_
 
 
+@runtime_checkable
 class Runner(Protocol):
     """What the training loop needs from a layout."""
 

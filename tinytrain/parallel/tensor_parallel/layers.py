@@ -48,6 +48,7 @@ from tinytrain import distributed as dist
 from tinytrain import functional as F
 from tinytrain.autograd import Parameter, Tensor
 from tinytrain.backend import xp
+from tinytrain.checkpoint import Placement
 from tinytrain.nn.module import Module
 from tinytrain.parallel.tensor_parallel.mappings import (
     CopyToRegion,
@@ -77,10 +78,10 @@ class Shard:
     def replicated(self) -> bool:
         return self.axis is None
 
-    def __iter__(self):
-        # The training runners (tp_runner.py, train.py) still unpack a 6-tuple
-        # ``p, name, axis, start, stop, partial``; until they use the attributes, that keeps working.
-        return iter((self.param, self.name, self.axis, self.start, self.stop, self.partial))
+    @property
+    def placement(self) -> Placement:
+        """Where it sits in the serial tensor, as checkpoints name it."""
+        return Placement(self.name, self.axis, self.start, self.stop)
 
 
 def split_size(total: int, what: str, group) -> int:
