@@ -63,10 +63,10 @@ class Plan:
                 "once per micro-batch; pipelines accumulate micro-batches, so use --zero 1 with --pp "
                 "(as Megatron-LM and DeepSpeed do)"
             )
-        if self.zero > 1 and self.tp > 1:
+        if self.zero == 3 and self.tp > 1:
             raise ValueError(
-                f"--zero {self.zero} with --tp is not composed here (ZeRO-2/3 would shard gradients "
-                "mid-backward across tensor-parallel shards); use --zero 1 with --tp"
+                "--zero 3 with --tp is not composed here (ZeRO-3 gathers whole layers of a serial GPT, "
+                "and the tensor-parallel loss needs the vocab-parallel head); use --zero 1 or 2 with --tp"
             )
         if config.n_experts and self.world_size > 1:
             raise ValueError(
