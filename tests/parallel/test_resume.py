@@ -34,7 +34,7 @@ TINY = [
     "--ckpt-every",
     "3",
     "--eval-every",
-    "3",
+    "5",
     "--eval-batches",
     "1",
     "--warmup",

@@ -48,7 +48,7 @@ class ParallelModel:
 
     def __init__(self, model, plan: Plan):
         self.model, self.plan = model, plan
-        self.shapes = {name: p.shape for name, p in model.named_parameters()}
+        self.shapes = {name: p.shape for name, p in model.named_parameters()}  # before ZeRO-3 frees them
         mesh = plan.mesh()
         self.dp_rank, self.tp_rank = mesh.coordinate("dp"), mesh.coordinate("tp")
         self.dp_group, self.pp_group, self.tp_group = (mesh.get_group(a) for a in ("dp", "pp", "tp"))
@@ -130,7 +130,10 @@ class ParallelModel:
         else:
             with _random.batch_rows(first, total):
                 loss = self._loss(x, y, n_targets)
-                self.dp.backward(loss) if self.dp is not None else loss.backward()
+                if self.dp is not None:
+                    self.dp.backward(loss)  # the DP/ZeRO wrapper: backward, then its gradient sync
+                else:
+                    loss.backward()
             value = xp.asarray([loss.item()], dtype=xp.float64)
         return float(dist.all_reduce(value, op="avg", group=self.dp_group)[0])
 

@@ -114,9 +114,8 @@ class MeshRunner:
         checkpoint.write_pieces(folder, step, self.rank, pieces, scalars)
         self.dist.barrier()  # every rank's pieces are on disk before the manifest names them
         if self.is_main:
-            checkpoint.commit(
-                folder, step, self.dist.get_world_size(), _shapes(self.model), dict(meta, layout=self.plan.flags())
-            )
+            shapes = self.parallel.shapes  # the serial shapes (ZeRO-3 holds pieces only)
+            checkpoint.commit(folder, step, self.dist.get_world_size(), shapes, dict(meta, layout=self.plan.flags()))
         self.dist.barrier()
 
     def load(self, reader, optimizer) -> None:
