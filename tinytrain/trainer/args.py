@@ -85,21 +85,13 @@ def check_args(args) -> None:
 
 
 def plan_of(args):
-    """The parallel layout the flags ask for (``tinytrain.parallel.plan.Plan``)."""
+    """The parallel layout the flags ask for (``tinytrain.parallel.plan.Plan``): each field of the
+    plan is the flag of the same name."""
+    from dataclasses import fields
+
     from tinytrain.parallel.plan import Plan
 
-    return Plan(
-        dp=args.dp,
-        tp=args.tp,
-        pp=args.pp,
-        sp=args.sp,
-        zero=args.zero,
-        schedule=args.schedule,
-        microbatches=args.microbatches,
-        chunks=args.chunks,
-        bucket_mb=args.bucket_mb,
-        progress=args.progress,
-    )
+    return Plan(**{f.name: getattr(args, f.name) for f in fields(Plan)})
 
 
 def build_model(args, dataset) -> GPT:
