@@ -1,7 +1,7 @@
 """Pipeline schedules on paper: the ``Action`` a schedule is made of, and a simulator.
 
-A schedule is ``list[list[Action]]``, one ordered list per stage (see ``pipeline.py`` for the
-schedules themselves and the picture). Which messages an action implies follows from the model
+A schedule is ``list[list[Action]]``, one ordered list per stage (see ``pipeline/schedules.py``
+for the schedules themselves and the pictures). Which messages an action implies follows from the model
 order: chunk c of stage s is *virtual stage* ``c·p + s``; the forward of virtual stage k receives
 from k-1 and sends to k+1, the backward the reverse.
 
