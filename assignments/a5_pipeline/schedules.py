@@ -1,0 +1,88 @@
+# Assignment 5: Pipeline parallel (handout: assignments/a5_pipeline.md).
+# Generated from tinytrain/parallel/pipeline/schedules.py by `python -m grader stubs`. Replace each
+# `raise NotImplementedError("TODO ...")` with your code; grade it with `python -m grader`.
+
+"""Schedules as data: which forward (F) and backward (B) passes each stage runs, and in what order.
+
+A pipeline of ``p`` stages trains ``m`` micro-batches per step. A schedule is ``list[list[Action]]``,
+one list per stage; an ``Action`` names one pass (kind, micro-batch, chunk). Nothing here sends a
+message: the executor (``executor.py``) turns each action into compute and messages, and
+``simulator.py`` plays a schedule on paper (bubble share, peak activations, deadlocks).
+
+    GPipe, p=4, m=4 (time →; numbers are micro-batches; · is a bubble)
+
+    stage 0  F0 F1 F2 F3 ·  ·  ·  ·  ·  ·  B0 B1 B2 B3
+    stage 1  ·  F0 F1 F2 F3 ·  ·  ·  ·  B0 B1 B2 B3 ·
+    stage 2  ·  ·  F0 F1 F2 F3 ·  ·  B0 B1 B2 B3 ·  ·
+    stage 3  ·  ·  ·  F0 F1 F2 F3 B0 B1 B2 B3 ·  ·  ·     (B drawn as long as F here)
+
+Every stage idles for p-1 slots of F and p-1 slots of B, so with equal costs the *bubble share*
+(idle time / total time) is (p-1)/(m+p-1). More micro-batches shrink it.
+
+1F1B runs the same work in another order: after p-1-s warm-up forwards, stage s alternates one
+forward and one backward. The bubble is the same, but a stage never holds more than p-s
+micro-batches' activations at once instead of all m: memory is what 1F1B buys.
+
+    1F1B, p=4, m=4
+
+    stage 0  F0 F1 F2 F3 ·  ·  ·  B0 ·  B1 ·  B2 ·  B3     holds at most 4 micro-batches
+    stage 1  ·  F0 F1 F2 ·  ·  B0 F3 B1 ·  B2 ·  B3 ·                   3
+    stage 2  ·  ·  F0 F1 ·  B0 F2 B1 F3 B2 ·  B3 ·  ·                   2
+    stage 3  ·  ·  ·  F0 B0 F1 B1 F2 B2 F3 B3 ·  ·  ·                   1
+
+Interleaved 1F1B gives each stage v model *chunks* (stage s holds chunks s, s+p, s+2p, ...), so a
+micro-batch passes every stage v times, each pass 1/v as long. Filling and draining the pipe then
+costs (p-1)/v of a full pass: the bubble share becomes (p-1)/(v·m+p-1), at the price of v times
+as many messages. Chunk c of stage s is *virtual stage* ``c·p + s``.
+"""
+
+from __future__ import annotations
+
+from tinytrain.parallel.simulator import Action
+
+
+def _check(stages: int, microbatches: int, chunks: int = 1) -> None:
+    if stages < 1 or microbatches < 1 or chunks < 1:
+        raise ValueError(f"need stages, microbatches and chunks >= 1, got {stages}, {microbatches}, {chunks}")
+
+
+def gpipe(stages: int, microbatches: int) -> list[list[Action]]:
+    """All forwards, then all backwards, on every stage."""
+    _check(stages, microbatches)
+    raise NotImplementedError("TODO 5.2: Every stage: F0..F(m-1), then B0..B(m-1).")
+
+
+def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
+    """Warm up with p-1-s forwards, then alternate one forward and one backward, then drain."""
+    _check(stages, microbatches)
+    raise NotImplementedError("TODO 5.3: Stage s: min(p-1-s, m) warm-up forwards, then pairs (F next, B oldest), then the remaining B.")
+
+
+def interleaved_1f1b(stages: int, microbatches: int, chunks: int) -> list[list[Action]]:
+    """1F1B over virtual stages (Megatron-LM's interleaved schedule).
+
+    Forwards go in groups of p micro-batches per chunk: micro-batches 0..p-1 through chunk 0, then
+    the same through chunk 1, ..., then micro-batches p..2p-1 through chunk 0, and so on. Backwards
+    visit the chunks in reverse. Needs ``microbatches`` to be a multiple of ``stages``.
+    """
+    _check(stages, microbatches, chunks)
+    if microbatches % stages:
+        raise ValueError(
+            f"interleaved 1F1B sends micro-batches in groups of {stages} (the number of stages); "
+            f"{microbatches} micro-batches is not a multiple of {stages}: "
+            f"choose e.g. {stages * max(1, microbatches // stages)}"
+        )
+    raise NotImplementedError("TODO 5.4: Number the passes k = 0..m·v-1: chunk (k mod pv)//p, micro-batch (k//pv)·p + k mod p; backwards reverse the chunk; warm-up 2(p-1-s) + (v-1)p.")
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
+
+
+def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name == "interleaved":
+        return interleaved_1f1b(stages, microbatches, chunks)
+    if chunks != 1:
+        raise ValueError(f"--chunks {chunks} needs --schedule interleaved ({name} runs one chunk per stage)")
+    return SCHEDULES[name](stages, microbatches)
