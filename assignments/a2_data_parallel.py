@@ -44,6 +44,10 @@ uses have added their gradient, so it is reduced once.
 
 The all-reduce uses the ring algorithm by default (``algo="ring"``), whose volume per rank is the
 textbook 2(N-1)/N of the buffer; ``algo=None`` lets tinytrain choose by message size.
+
+What all four share with ZeRO (``zero.py``) is in ``wrapper.py``: the ``Wrapper`` around the model
+(``ddp(x)`` runs it, ``ddp.backward(loss)`` runs backward, then the strategy's communication) and
+helpers on parameter lists (``trainable``, ``grad_or_zeros``, ``flatten``, ``unflatten_into``).
 """
 
 from __future__ import annotations
@@ -53,41 +57,14 @@ import contextlib
 from tinytrain import distributed as dist
 from tinytrain import trace
 from tinytrain.backend import xp
-
-
-def broadcast_parameters(module, src: int = 0, group=None) -> None:
-    """Copy rank ``src``'s parameters into every rank's model, so all replicas start identical."""
-    for p in module.parameters():
-        dist.broadcast(p.data, src=src, group=group)
-
-
-def trainable(module) -> list:
-    """The parameters that get gradients; frozen ones (requires_grad=False) never travel."""
-    return [p for p in module.parameters() if p.requires_grad]
-
-
-class Wrapper:
-    """Holds ``module``; ``wrapper(x)`` runs it and ``wrapper.config``, ``.eval()``... reach it."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __call__(self, *args, **kwargs):
-        with trace.span("forward", cat="compute"):
-            return self.module(*args, **kwargs)
-
-    def __getattr__(self, name):
-        if name == "module":  # not set yet: no endless recursion
-            raise AttributeError(name)
-        return getattr(self.module, name)
-
-    def backward(self, loss) -> None:
-        with trace.span("backward", cat="compute"):
-            loss.backward()
-        self.after_backward()
-
-    def after_backward(self) -> None:
-        """What the strategy does once backward has finished (nothing by default)."""
+from tinytrain.parallel.wrapper import (
+    Wrapper,
+    broadcast_parameters,
+    flatten,
+    grad_or_zeros,
+    trainable,
+    unflatten_into,
+)
 
 
 class _Replicated(Wrapper):
@@ -110,13 +87,6 @@ class _Replicated(Wrapper):
             self.finish_gradient_sync()
 
 
-def _grad_or_zeros(p):
-    """A parameter that got no gradient on this rank still takes part: it contributes zeros."""
-    if p.grad is None:
-        p.grad = xp.zeros_like(p.data)
-    return p.grad
-
-
 # ================================================================================================
 # 1. Naive DDP: all-reduce every gradient after backward
 # ================================================================================================
@@ -126,7 +96,7 @@ class NaiveDDP(_Replicated):
     """One blocking all-reduce per parameter once backward has finished: simple, no overlap."""
 
     def finish_gradient_sync(self) -> None:
-        raise NotImplementedError("TODO 2.1: For every parameter in self.params, all_reduce its gradient in place with op='avg' (use _grad_or_zeros, group=self.group, algo=self.algo).")
+        raise NotImplementedError("TODO 2.1: For every parameter in self.params, all_reduce its gradient in place with op='avg' (use grad_or_zeros, group=self.group, algo=self.algo).")
 
 
 # ================================================================================================
@@ -154,7 +124,7 @@ class Bucket:
         """Copy the gradients into the buffer and start averaging it; returns at once."""
         offset = 0
         for p in self.params:
-            self.buffer[offset : offset + p.size] = _grad_or_zeros(p).reshape(-1)
+            self.buffer[offset : offset + p.size] = grad_or_zeros(p).reshape(-1)
             offset += p.size
         self.work = dist.all_reduce(self.buffer, op="avg", group=group, async_op=True, algo=algo)
 
@@ -230,17 +200,6 @@ class BucketedDDP(_Replicated):
 # ================================================================================================
 
 _PUSH, _PULL = 21, 22  # message tags
-
-
-def _flatten(arrays):
-    return xp.concatenate([a.reshape(-1) for a in arrays]) if arrays else xp.zeros(0, xp.float32)
-
-
-def _unflatten_into(flat, arrays) -> None:
-    offset = 0
-    for a in arrays:
-        a[...] = flat[offset : offset + a.size].reshape(a.shape)
-        offset += a.size
 
 
 class ParameterServer(Wrapper):

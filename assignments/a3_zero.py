@@ -55,18 +55,11 @@ reads and writes in place.
 from __future__ import annotations
 
 import contextlib
-import math
 
 from tinytrain import distributed as dist
 from tinytrain.autograd import Tensor
 from tinytrain.backend import xp
-from tinytrain.parallel.data_parallel import Wrapper
-from tinytrain.parallel.zero_parts import (
-    ShardedParam,
-    ShardedUnit,
-    gpt_units,
-    held_bytes,
-)
+from tinytrain.parallel.zero_parts import ShardedUnit, ShardedWrapper, gpt_units
 
 _EMPTY = xp.zeros(0, dtype=xp.float32)  # what a stage-3 parameter holds between uses
 
@@ -76,7 +69,7 @@ _EMPTY = xp.zeros(0, dtype=xp.float32)  # what a stage-3 parameter holds between
 # ================================================================================================
 
 
-class ZeroStage1(Wrapper):
+class ZeroStage1(ShardedWrapper):
     """ZeRO-1 around ``module`` with the update rule of ``optimizer`` (SGD or AdamW).
 
     Use it like DDP: ``loss = zero(x) ...; zero.backward(loss); zero.step()`` (``optimizer.zero_grad()``
@@ -87,33 +80,12 @@ class ZeroStage1(Wrapper):
     ``shards``: list[ShardedParam], one per trainable parameter in parameter order: ``.p``, the piece
     ``.start``/``.stop``/``.sizes``, ``.grad`` (my piece of the averaged gradient), ``.state`` (the
     optimizer state of my piece; None before the first step), ``.data`` (stage 3: my piece of W).
+
+    What is not the algorithm (the list-of-parameters adapter, clipping over pieces, memory
+    accounting, full parameters for a checkpoint) comes from :class:`ShardedWrapper` in zero_parts.py.
     """
 
     stage = 1
-    peak_gathered_bytes = 0  # stages 1, 2 hold every parameter whole: nothing is gathered
-
-    def __init__(self, module, optimizer, group=None):
-        if isinstance(module, (list, tuple)):
-            super().__init__(None)
-            self.named = [(str(i), p) for i, p in enumerate(module)]
-        else:
-            super().__init__(module)
-            self.named = list(module.named_parameters())
-        self.optimizer, self.group = optimizer, group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        for _, p in self.named:  # same start everywhere, then shard
-            dist.broadcast(p.data, src=0, group=group)
-        self.shards = [ShardedParam(p, self.rank, self.world_size) for _, p in self.named if p.requires_grad]
-        self.shard_of = {id(s.p): s for s in self.shards}
-        self.require_sync = True
-
-    def __call__(self, *args, **kwargs):
-        if self.module is None:
-            raise TypeError(
-                "this ZeRO holds a list of parameters, not a module: run the forward and backward "
-                "yourself, then call finish_gradient_sync() and step()"
-            )
-        return super().__call__(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -125,7 +97,7 @@ class ZeroStage1(Wrapper):
         finally:
             self.require_sync = previous
 
-    # --- gradients: reduce-scatter into pieces --------------------------------------------------
+    # --- gradients: reduce-scatter into pieces; the optimizer step on my pieces --------------------
 
     def _reduce_scatter(self, s, out=None, async_op: bool = False):
         """Average p.grad over the ranks; this rank keeps its piece (written into ``out`` if given)."""
@@ -141,30 +113,6 @@ class ZeroStage1(Wrapper):
         if not self.require_sync:
             return  # accumulate full gradients; the last micro-batch reduce-scatters
         raise NotImplementedError("TODO 3.1: For every shard: zeros if p.grad is None; reduce-scatter it with out=s.my_piece(p.grad) and keep the piece in s.grad.")
-
-    # --- clipping and the optimizer step on my pieces ---------------------------------------------
-
-    def grad_square_sums(self, is_sharded=lambda p: False) -> tuple[float, float]:
-        """(Σ g² over parameters where ``is_sharded(p)``, Σ g² over the others), summed over this
-        ZeRO group's pieces. A composed layout adds the first over its other (e.g. tensor-parallel)
-        groups before taking the norm; call after finish_gradient_sync(), on every rank."""
-        sq = xp.zeros(2, dtype=xp.float64)
-        for s in self.shards:
-            if s.grad is not None:
-                sq[0 if is_sharded(s.p) else 1] += float((s.grad.astype(xp.float64) ** 2).sum())
-        sq = dist.all_reduce(sq, group=self.group)
-        return float(sq[0]), float(sq[1])
-
-    def clip_grad_norm_(self, max_norm: float, total_norm: float | None = None) -> float:
-        """Scale my gradient pieces so the global norm is at most ``max_norm``; return the norm.
-        Without ``total_norm`` it is this group's (one all-reduce of the squares of the pieces)."""
-        if total_norm is None:
-            total_norm = math.sqrt(sum(self.grad_square_sums()))
-        if max_norm > 0 and total_norm > max_norm:
-            for s in self.shards:
-                if s.grad is not None:
-                    s.grad *= max_norm / (total_norm + 1e-6)
-        return total_norm
 
     def _param_piece(self, s):
         return s.my_piece(s.p.data)  # a view: updating it updates p.data
@@ -182,28 +130,6 @@ class ZeroStage1(Wrapper):
     def _after_update(self) -> None:
         for s in self.shards:
             raise NotImplementedError("TODO 3.1: all_gather my piece (sizes=s.sizes) straight into p.data (out=p.data.reshape(-1)).")
-
-    # --- what this rank holds -----------------------------------------------------------------------
-
-    def memory(self) -> dict:
-        """Bytes this rank holds now, measured from its arrays (:func:`held_bytes`): params, grads,
-        optimizer; apart, the peak of temporarily gathered parameters (stage 3) and frozen ones."""
-        return held_bytes(self.shards, [p for _, p in self.named], self.peak_gathered_bytes)
-
-    def optimizer_bytes_per_element(self) -> int:
-        """State bytes per parameter element (AdamW 8, SGD with momentum 4), measured."""
-        return round(held_bytes(self.shards)["optimizer"] / max(1, sum(s.stop - s.start for s in self.shards)))
-
-    def materialize(self) -> None:
-        """Put every full parameter into the model (stages 1, 2 always hold them)."""
-
-    def full_parameters(self) -> dict:
-        """name -> full parameter array (stage 3 gathers them: all ranks must call). With a list
-        of parameters the names are their positions, "0", "1", ..."""
-        return {name: self._full(p) for name, p in self.named}
-
-    def _full(self, p):
-        return p.data.copy()
 
 
 # ================================================================================================

@@ -40,6 +40,10 @@ uses have added their gradient, so it is reduced once.
 
 The all-reduce uses the ring algorithm by default (``algo="ring"``), whose volume per rank is the
 textbook 2(N-1)/N of the buffer; ``algo=None`` lets tinytrain choose by message size.
+
+What all four share with ZeRO (``zero.py``) is in ``wrapper.py``: the ``Wrapper`` around the model
+(``ddp(x)`` runs it, ``ddp.backward(loss)`` runs backward, then the strategy's communication) and
+helpers on parameter lists (``trainable``, ``grad_or_zeros``, ``flatten``, ``unflatten_into``).
 """
 
 from __future__ import annotations
@@ -49,41 +53,14 @@ import contextlib
 from tinytrain import distributed as dist
 from tinytrain import trace
 from tinytrain.backend import xp
-
-
-def broadcast_parameters(module, src: int = 0, group=None) -> None:
-    """Copy rank ``src``'s parameters into every rank's model, so all replicas start identical."""
-    for p in module.parameters():
-        dist.broadcast(p.data, src=src, group=group)
-
-
-def trainable(module) -> list:
-    """The parameters that get gradients; frozen ones (requires_grad=False) never travel."""
-    return [p for p in module.parameters() if p.requires_grad]
-
-
-class Wrapper:
-    """Holds ``module``; ``wrapper(x)`` runs it and ``wrapper.config``, ``.eval()``... reach it."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __call__(self, *args, **kwargs):
-        with trace.span("forward", cat="compute"):
-            return self.module(*args, **kwargs)
-
-    def __getattr__(self, name):
-        if name == "module":  # not set yet: no endless recursion
-            raise AttributeError(name)
-        return getattr(self.module, name)
-
-    def backward(self, loss) -> None:
-        with trace.span("backward", cat="compute"):
-            loss.backward()
-        self.after_backward()
-
-    def after_backward(self) -> None:
-        """What the strategy does once backward has finished (nothing by default)."""
+from tinytrain.parallel.wrapper import (
+    Wrapper,
+    broadcast_parameters,
+    flatten,
+    grad_or_zeros,
+    trainable,
+    unflatten_into,
+)
 
 
 class _Replicated(Wrapper):
@@ -112,13 +89,6 @@ class _Replicated(Wrapper):
             self.finish_gradient_sync()
 
 
-def _grad_or_zeros(p):
-    """A parameter that got no gradient on this rank still takes part: it contributes zeros."""
-    if p.grad is None:
-        p.grad = xp.zeros_like(p.data)
-    return p.grad
-
-
 # ================================================================================================
 # 1. Naive DDP: all-reduce every gradient after backward
 # ================================================================================================
@@ -128,9 +98,9 @@ class NaiveDDP(_Replicated):
     """One blocking all-reduce per parameter once backward has finished: simple, no overlap."""
 
     def finish_gradient_sync(self) -> None:
-        # BEGIN SOLUTION 2.1 "For every parameter in self.params, all_reduce its gradient in place with op='avg' (use _grad_or_zeros, group=self.group, algo=self.algo)."
+        # BEGIN SOLUTION 2.1 "For every parameter in self.params, all_reduce its gradient in place with op='avg' (use grad_or_zeros, group=self.group, algo=self.algo)."
         for p in self.params:
-            dist.all_reduce(_grad_or_zeros(p), op="avg", group=self.group, algo=self.algo)
+            dist.all_reduce(grad_or_zeros(p), op="avg", group=self.group, algo=self.algo)
         # END SOLUTION
 
 
@@ -159,7 +129,7 @@ class Bucket:
         """Copy the gradients into the buffer and start averaging it; returns at once."""
         offset = 0
         for p in self.params:
-            self.buffer[offset : offset + p.size] = _grad_or_zeros(p).reshape(-1)
+            self.buffer[offset : offset + p.size] = grad_or_zeros(p).reshape(-1)
             offset += p.size
         self.work = dist.all_reduce(self.buffer, op="avg", group=group, async_op=True, algo=algo)
 
@@ -256,17 +226,6 @@ class BucketedDDP(_Replicated):
 _PUSH, _PULL = 21, 22  # message tags
 
 
-def _flatten(arrays):
-    return xp.concatenate([a.reshape(-1) for a in arrays]) if arrays else xp.zeros(0, xp.float32)
-
-
-def _unflatten_into(flat, arrays) -> None:
-    offset = 0
-    for a in arrays:
-        a[...] = flat[offset : offset + a.size].reshape(a.shape)
-        offset += a.size
-
-
 class ParameterServer(Wrapper):
     """Rank ``server`` owns the parameters and the optimizer; every rank computes gradients.
 
@@ -298,7 +257,7 @@ class ParameterServer(Wrapper):
 
     def _push_and_update(self) -> None:
         # BEGIN SOLUTION 2.4 "Workers send their flattened gradients to the server (tag _PUSH); the server receives one buffer per worker, adds them to its own in rank order, divides by the world size, writes them into .grad and calls optimizer.step()."
-        grads = _flatten([_grad_or_zeros(p) for p in self.params])
+        grads = flatten([grad_or_zeros(p) for p in self.params])
         if self.rank != self.server:
             dist.send(grads, self.server, group=self.group, tag=_PUSH)
             return
@@ -309,19 +268,19 @@ class ParameterServer(Wrapper):
         for w in self.workers:  # rank order: the sum does not depend on arrival order
             grads += incoming[w]
         grads /= self.world_size
-        _unflatten_into(grads, [p.grad for p in self.params])
+        unflatten_into(grads, [p.grad for p in self.params])
         self.optimizer.step()
         # END SOLUTION
 
     def _pull(self) -> None:
         # BEGIN SOLUTION 2.4 "The server sends its flattened parameters to every worker (tag _PULL); each worker receives them and copies them into its parameters."
         if self.rank == self.server:
-            flat = _flatten([p.data for p in self.params])
+            flat = flatten([p.data for p in self.params])
             handles = [dist.isend(flat, w, group=self.group, tag=_PULL) for w in self.workers]
             for h in handles:
                 h.wait()
         else:
             flat = xp.empty(sum(p.size for p in self.params), dtype=self.params[0].dtype)
             dist.recv(flat, self.server, group=self.group, tag=_PULL)
-            _unflatten_into(flat, [p.data for p in self.params])
+            unflatten_into(flat, [p.data for p in self.params])
         # END SOLUTION

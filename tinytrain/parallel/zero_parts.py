@@ -1,5 +1,6 @@
-"""The parts ZeRO (``zero.py``) is built from: a parameter's pieces, stage 3's units, and memory
-accounting (what a ZeRO rank holds, and the unsharded figure it is compared against).
+"""The parts ZeRO (``zero.py``) is built from: a parameter's pieces, what every stage does besides
+its algorithm (:class:`ShardedWrapper`), stage 3's units, and memory accounting (what a ZeRO rank
+holds, and the unsharded figure it is compared against).
 
 :class:`ShardedParam` is one trainable parameter and the piece of it this rank owns; ``zero.shards``
 lists them in parameter order. A unit is (name, callable, parameters): stage 3 gathers the unit's
@@ -11,9 +12,13 @@ recomputes the forward with a graph (activation checkpointing) before backpropag
 
 from __future__ import annotations
 
+import math
+
 from tinytrain import distributed as dist
 from tinytrain import trace
 from tinytrain.autograd import Function, Tensor, enable_grad, no_grad
+from tinytrain.backend import xp
+from tinytrain.parallel.wrapper import Wrapper
 
 
 class ShardedParam:
@@ -94,3 +99,86 @@ def held_bytes(shards, params=(), gathered_peak: int = 0) -> dict:
         "gathered_peak": gathered_peak,
         "frozen": sum(p.nbytes for p in params if not p.requires_grad),
     }
+
+
+class ShardedWrapper(Wrapper):
+    """What the ZeRO stages share besides their algorithm; ``ZeroStage1`` builds on it.
+
+    It takes a module or a plain list of Parameters (a pipeline stage, whose forward and backward
+    the pipeline runs), broadcasts rank 0's parameters so every rank starts identical, and makes
+    ``shards``: a :class:`ShardedParam` per trainable parameter, in parameter order. On top of the
+    pieces: clipping by one global norm (``grad_square_sums`` gives a composed layout the squares it
+    needs), memory measured from the arrays (:func:`held_bytes`), and the full parameters a
+    checkpoint or an evaluation asks for (stage 3 overrides ``_full`` and ``materialize``).
+    """
+
+    peak_gathered_bytes = 0  # stages 1, 2 hold every parameter whole: nothing is gathered
+
+    def __init__(self, module, optimizer, group=None):
+        if isinstance(module, (list, tuple)):
+            super().__init__(None)
+            self.named = [(str(i), p) for i, p in enumerate(module)]
+        else:
+            super().__init__(module)
+            self.named = list(module.named_parameters())
+        self.optimizer, self.group = optimizer, group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        for _, p in self.named:  # same start everywhere, then shard
+            dist.broadcast(p.data, src=0, group=group)
+        self.shards = [ShardedParam(p, self.rank, self.world_size) for _, p in self.named if p.requires_grad]
+        self.shard_of = {id(s.p): s for s in self.shards}
+        self.require_sync = True
+
+    def __call__(self, *args, **kwargs):
+        if self.module is None:
+            raise TypeError(
+                "this ZeRO holds a list of parameters, not a module: run the forward and backward "
+                "yourself, then call finish_gradient_sync() and step()"
+            )
+        return super().__call__(*args, **kwargs)
+
+    # --- clipping my gradient pieces by the global norm ---------------------------------------------
+
+    def grad_square_sums(self, is_sharded=lambda p: False) -> tuple[float, float]:
+        """(Σ g² over parameters where ``is_sharded(p)``, Σ g² over the others), summed over this
+        ZeRO group's pieces. A composed layout adds the first over its other (e.g. tensor-parallel)
+        groups before taking the norm; call after finish_gradient_sync(), on every rank."""
+        sq = xp.zeros(2, dtype=xp.float64)
+        for s in self.shards:
+            if s.grad is not None:
+                sq[0 if is_sharded(s.p) else 1] += float((s.grad.astype(xp.float64) ** 2).sum())
+        sq = dist.all_reduce(sq, group=self.group)
+        return float(sq[0]), float(sq[1])
+
+    def clip_grad_norm_(self, max_norm: float, total_norm: float | None = None) -> float:
+        """Scale my gradient pieces so the global norm is at most ``max_norm``; return the norm.
+        Without ``total_norm`` it is this group's (one all-reduce of the squares of the pieces)."""
+        if total_norm is None:
+            total_norm = math.sqrt(sum(self.grad_square_sums()))
+        if max_norm > 0 and total_norm > max_norm:
+            for s in self.shards:
+                if s.grad is not None:
+                    s.grad *= max_norm / (total_norm + 1e-6)
+        return total_norm
+
+    # --- what this rank holds -----------------------------------------------------------------------
+
+    def memory(self) -> dict:
+        """Bytes this rank holds now, measured from its arrays (:func:`held_bytes`): params, grads,
+        optimizer; apart, the peak of temporarily gathered parameters (stage 3) and frozen ones."""
+        return held_bytes(self.shards, [p for _, p in self.named], self.peak_gathered_bytes)
+
+    def optimizer_bytes_per_element(self) -> int:
+        """State bytes per parameter element (AdamW 8, SGD with momentum 4), measured."""
+        return round(held_bytes(self.shards)["optimizer"] / max(1, sum(s.stop - s.start for s in self.shards)))
+
+    def materialize(self) -> None:
+        """Put every full parameter into the model (stages 1, 2 always hold them)."""
+
+    def full_parameters(self) -> dict:
+        """name -> full parameter array (stage 3 gathers them: all ranks must call). With a list
+        of parameters the names are their positions, "0", "1", ..."""
+        return {name: self._full(p) for name, p in self.named}
+
+    def _full(self, p):
+        return p.data.copy()
