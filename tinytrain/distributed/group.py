@@ -1,4 +1,4 @@
-"""Process groups and the named device mesh.
+"""Process groups: the world, subgroups, and the checks every ``group=`` argument goes through.
 
 A :class:`ProcessGroup` is a set of ranks that talk to each other: an MPI communicator plus the
 bookkeeping our collectives need (a name for byte accounting and error messages, the world rank of
@@ -8,12 +8,12 @@ sources (``send(x, dst=1, group=tp)`` sends to rank 1 of ``tp``).
 
 ``init()`` makes the world group from ``MPI_COMM_WORLD`` (duplicated, so our messages can never
 match a message of another library on the same communicator). The test harness instead installs a
-fresh communicator for every test with :func:`_install_world`.
+fresh communicator for every test with :func:`_install_world`. The named device mesh, groups along
+the axes of a grid of ranks, is built on these in ``mesh.py``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -235,82 +235,6 @@ def new_group(ranks, name: str | None = None):
     if w.rank not in ranks:
         return NonMember(name, ranks)
     return _subgroup(w, list(ranks), name)
-
-
-# --- the device mesh -----------------------------------------------------------------------------
-
-
-class DeviceMesh:
-    """Ranks arranged on named axes, e.g. ``DeviceMesh({"dp": 2, "tp": 2})``.
-
-    Order: the *last* axis is innermost (row-major, like a NumPy array of ranks), so with
-    ``{"dp": 2, "tp": 2}``::
-
-                  tp=0  tp=1
-        dp=0  ->  rank 0  rank 1        rank = dp_index * tp_size + tp_index
-        dp=1  ->  rank 2  rank 3
-
-    Ranks next to each other (on one node, with fast links) share a TP group, which is what tensor
-    parallelism wants; DP groups stride across them. Every rank must construct the mesh.
-    """
-
-    def __init__(self, shape: dict[str, int], group=None):
-        base = resolve(group)
-        if not shape:
-            raise ValueError("DeviceMesh needs at least one axis, e.g. {'dp': 2, 'tp': 2}")
-        for axis, size in shape.items():
-            if int(size) < 1:
-                raise ValueError(f"mesh axis {axis!r} has size {size}; sizes must be >= 1")
-        self.shape = {axis: int(size) for axis, size in shape.items()}
-        self.axis_names = tuple(self.shape)
-        total = math.prod(self.shape.values())
-        if total != base.size:
-            raise ValueError(
-                f"DeviceMesh {self.shape} needs {total} ranks but {base.describe()} has {base.size}; "
-                f"run with mpirun -n {total} or change the mesh so its sizes multiply to {base.size}."
-            )
-        self.base = base
-        self.rank = base.rank
-        self.coords = self.coords_of(base.rank)
-        self._groups = {}
-        for axis in self.axis_names:  # same order on every rank, so group creation matches up
-            members = [self.rank_at(**{**self.coords, axis: i}) for i in range(self.shape[axis])]
-            self._groups[axis] = _subgroup(base, members, axis)
-
-    def coords_of(self, rank: int) -> dict[str, int]:
-        """The coordinates of a rank of the mesh's base group."""
-        coords = {}
-        for axis in reversed(self.axis_names):
-            coords[axis] = rank % self.shape[axis]
-            rank //= self.shape[axis]
-        return {axis: coords[axis] for axis in self.axis_names}
-
-    def rank_at(self, **coords) -> int:
-        """The rank at the given coordinates (all axes must be given)."""
-        rank = 0
-        for axis in self.axis_names:
-            rank = rank * self.shape[axis] + int(coords[axis])
-        return rank
-
-    def get_group(self, axis: str) -> ProcessGroup:
-        """The group of ranks that differ from this one only along ``axis``."""
-        if axis not in self._groups:
-            raise ValueError(f"mesh has axes {list(self.axis_names)}, not {axis!r}")
-        return self._groups[axis]
-
-    def size(self, axis: str) -> int:
-        return self.shape[axis]
-
-    def coordinate(self, axis: str) -> int:
-        return self.coords[axis]
-
-    def ring(self, axis: str) -> tuple[int, int]:
-        """(previous, next) neighbour of this rank on ``axis``, as ranks of that axis's group."""
-        n, i = self.shape[axis], self.coords[axis]
-        return (i - 1) % n, (i + 1) % n
-
-    def __repr__(self) -> str:
-        return f"DeviceMesh({self.shape}, rank={self.rank}, coords={self.coords})"
 
 
 def _subgroup(base: ProcessGroup, members: list[int], name: str) -> ProcessGroup:
