@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tinytrain import distributed as dist
-from tinytrain.distributed import algorithms, collectives
+from tinytrain.distributed import algorithms, choice
 
 CUT = ["_ring_reduce_scatter", "_ring_all_gather", "_all_reduce_ring", "_all_to_all_pairwise", "_broadcast_tree"]
 
@@ -64,7 +64,7 @@ def test_assignment_copies_never_fall_back():
 
     assert algorithms._public.stand_ins and not a1._public.stand_ins
     assert not a1._public._cut_out("_ring_reduce_scatter")
-    assert collectives.is_stub(_stub) and not collectives.is_stub(_a_real_algorithm)
+    assert choice.is_stub(_stub) and not choice.is_stub(_a_real_algorithm)
     # (algorithms._ring_reduce_scatter itself is a stub in a student release, so it cannot serve here)
 
 

@@ -129,7 +129,7 @@ def test_halving_doubling_moves_the_ring_volume_in_fewer_steps():
 
 
 def test_default_algorithm_is_chosen_by_size():
-    from tinytrain.distributed import collectives as c
+    from tinytrain.distributed import choice as c
 
     assert c.choose_all_reduce_algo(1024) == "recursive_doubling"
     assert c.choose_all_reduce_algo(c.SMALL_MESSAGE_BYTES) == "halving_doubling"

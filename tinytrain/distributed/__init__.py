@@ -13,14 +13,14 @@ The API follows ``torch.distributed``::
     tp = mesh.get_group("tp")
 
 Files, in reading order (each imports only files above it): ``watchdog.py`` (deadlines, peer
-failure), ``group.py`` (init, groups, mesh), ``p2p.py`` (send/recv, the ``Exchange`` step every
-algorithm is built from), ``stats.py`` (bytes), ``work.py`` (a call's steps, async handles,
-progress, debug-mode signature checks), ``chunks.py``, ``doubling.py`` and ``rooted.py`` (the
-latency-optimal and the root-centred algorithms, the stand-ins), ``checks.py`` and
-``collectives.py`` (the public functions and their argument checks, over a module of
-algorithms), ``algorithms.py`` (ring, pairwise and tree algorithms with their diagrams: assignment
-1 is made from it; ``all_reduce`` and the others exported here are bound at its end),
-``trace_merge.py`` (``tinytrain.trace.merge`` over our all-gather).
+failure), ``group.py`` (init, groups), ``mesh.py`` (the device mesh), ``p2p.py`` (send/recv, the
+``Exchange`` step every algorithm is built from), ``stats.py`` (bytes), ``work.py`` (a call's
+steps, async handles, progress, debug-mode signature checks), ``chunks.py``, ``doubling.py`` and
+``rooted.py`` (the latency-optimal and the root-centred algorithms, the stand-ins), ``checks.py``,
+``choice.py`` and ``collectives.py`` (the public functions, their argument checks and choice of
+algorithm, over a module of algorithms), ``algorithms.py`` (ring, pairwise and tree algorithms with
+their diagrams: assignment 1 is made from it; ``all_reduce`` and the others exported here are bound
+at its end), ``trace_merge.py`` (``tinytrain.trace.merge`` over our all-gather).
 
 Environment: ``TINYTRAIN_TIMEOUT`` (seconds per wait, default 60), ``TINYTRAIN_DEBUG=1``
 (cross-check collective signatures), ``TINYTRAIN_TRACE=1`` (record spans, see tinytrain.trace),
@@ -43,7 +43,6 @@ from .algorithms import (
 )
 from .chunks import OPS, split_counts
 from .group import (
-    DeviceMesh,
     NonMember,
     ProcessGroup,
     get_rank,
@@ -53,6 +52,7 @@ from .group import (
     new_group,
     world,
 )
+from .mesh import DeviceMesh
 from .p2p import P2PWork, cuda_aware, irecv, isend, recv, send, sendrecv
 from .stats import CommStats, comm_stats, totals
 from .watchdog import CollectiveMismatch, CommTimeout, DistributedError, PeerFailure, report_failure

@@ -1,4 +1,10 @@
-"""Argument checks of the public collectives: early, specific errors that say what to change."""
+"""Argument checks of the public collectives: early, specific errors that say what to change.
+
+Besides the checks of single arguments (``op``, ``algo``, a root rank, an ``out=`` buffer), the row
+counts of the collectives that join or split along axis 0 are settled here: :func:`gather_sizes`
+(all_gather), :func:`split_sizes` (reduce_scatter), :func:`all_to_all_sizes`, and the ``full``
+buffer of a scatter (:func:`check_scatter_full`).
+"""
 
 from __future__ import annotations
 
@@ -60,3 +66,60 @@ def check_out(out, shape, dtype, what: str):
 
 def new_out(out, tensor, shape):
     return xp_of(tensor).empty(shape, dtype=tensor.dtype) if out is None else out
+
+
+def gather_sizes(g, sizes, rows: int, what: str) -> list[int]:
+    """Rows per rank of a gathered buffer: ``rows`` each, or ``sizes``, whose entry for this rank
+    must be this rank's ``rows``."""
+    sizes = [rows] * g.size if sizes is None else check_sizes(g, sizes, what)
+    if sizes[g.rank] != rows:
+        raise ValueError(f"{what}: sizes[{g.rank}]={sizes[g.rank]} but this rank's tensor has {rows} rows")
+    return sizes
+
+
+def split_sizes(g, sizes, rows: int, what: str) -> list[int]:
+    """Rows per rank of a buffer of ``rows`` rows split over the group: equal, or ``sizes``."""
+    if sizes is None:
+        if rows % g.size:
+            raise ValueError(
+                f"{what}: {rows} rows do not split evenly over {g.size} ranks; "
+                "pass sizes=[rows for each rank] (e.g. split_counts(rows, n))"
+            )
+        return [rows // g.size] * g.size
+    sizes = check_sizes(g, sizes, what)
+    if sum(sizes) != rows:
+        raise ValueError(f"{what}: sizes {sizes} add up to {sum(sizes)}, but the tensor has {rows} rows")
+    return sizes
+
+
+def all_to_all_sizes(g, rows: int, send_sizes, recv_sizes) -> tuple[list[int], list[int] | None]:
+    """(rows sent to each rank, rows received from each rank or None when they must be exchanged)."""
+    if send_sizes is None:
+        if rows % g.size:
+            raise ValueError(f"all_to_all: {rows} rows do not split evenly over {g.size} ranks; pass send_sizes")
+        send_sizes = [rows // g.size] * g.size
+        recv_sizes = send_sizes if recv_sizes is None else recv_sizes
+    send_sizes = check_sizes(g, send_sizes, "all_to_all (send_sizes)")
+    if sum(send_sizes) != rows:
+        raise ValueError(
+            f"all_to_all: send_sizes {send_sizes} add up to {sum(send_sizes)}, but the tensor has {rows} rows"
+        )
+    if recv_sizes is not None:
+        recv_sizes = check_sizes(g, recv_sizes, "all_to_all (recv_sizes)")
+    return send_sizes, recv_sizes
+
+
+def check_scatter_full(g, root: int, full, tensor) -> None:
+    """On the source rank, ``full`` must be n pieces of ``tensor``'s shape stacked along axis 0."""
+    if g.rank != root:
+        return
+    if full is None:
+        raise ValueError(f"scatter: rank {root} is the source and must pass full=")
+    check_buffer(full, "scatter (full)")
+    rows, tail = rows_of(tensor)
+    want = (rows * g.size,) + tail
+    if tuple(full.shape) != want or full.dtype != tensor.dtype:
+        raise ValueError(
+            f"scatter: full must have shape {want} and dtype {tensor.dtype} "
+            f"(n pieces of tensor's shape), got {tuple(full.shape)} {full.dtype}"
+        )

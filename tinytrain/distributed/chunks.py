@@ -29,6 +29,12 @@ def chunk_bounds(counts: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+def row_bounds(rows: list[int], tail: tuple) -> list[tuple[int, int]]:
+    """(start, stop) in a flat buffer of consecutive pieces of ``rows`` rows each, a row of shape ``tail``."""
+    row_len = int(numpy.prod(tail, dtype=numpy.int64))
+    return chunk_bounds([r * row_len for r in rows])
+
+
 def split_counts(length: int, parts: int) -> list[int]:
     """Split ``length`` into ``parts`` nearly equal counts, larger ones first.
 

@@ -1,4 +1,5 @@
-"""The public collectives: argument checks, the choice of algorithm, and one call driven to its end.
+"""The public collectives: each checks its arguments (``checks.py``), picks an algorithm
+(``choice.py``) and drives one call to its end (``work.py``).
 
 Conventions (like ``torch.distributed`` where it has an equivalent):
 
@@ -16,81 +17,41 @@ framework's ``algorithms.py``, whose ``all_reduce = Collectives(__name__).all_re
 ``tinytrain.distributed`` exports, or an assignment copy of that file, which binds the same methods
 over the student's algorithms. So graded tests and benchmarks run a student's algorithms behind
 exactly the framework's checks, tags, byte accounting, tracing and deadlines. The algorithms are
-looked up in that module at every call (a test may replace one).
+looked up in that module at every call (a test may replace one; see ``choice.py``).
 """
 
 from __future__ import annotations
-
-import sys
 
 import numpy
 
 from . import doubling, rooted
 from .checks import (
+    all_to_all_sizes,
     check_algo,
     check_op,
     check_out,
     check_root,
-    check_sizes,
+    check_scatter_full,
+    gather_sizes,
     new_out,
     rows_of,
     signature,
+    split_sizes,
 )
-from .chunks import OPS, chunk_bounds, split_counts
+from .choice import ALL_REDUCE_ALGOS, AlgorithmSource, choose_all_reduce_algo
+from .chunks import OPS, chunk_bounds, row_bounds, split_counts
 from .group import resolve
 from .p2p import check_buffer
 from .work import Call, run
 
 __all__ = ["ALL_REDUCE_ALGOS", "OPS", "Collectives", "choose_all_reduce_algo", "split_counts"]
 
-# all_reduce picks its algorithm by buffer size (measured with `tinytrain bench collectives` on 4
-# ranks sharing 2 cores, where every step costs a scheduling delay):
-#   < SMALL_MESSAGE_BYTES   recursive doubling: log2(n) steps, but each sends the whole buffer
-#   < LARGE_MESSAGE_BYTES   halving-doubling: the ring's volume in 2 log2(n) steps
-#   otherwise               ring: 2(n-1) steps of 1/n of the buffer, bandwidth-optimal on any n
-SMALL_MESSAGE_BYTES = 256 * 1024
-LARGE_MESSAGE_BYTES = 4 * 1024 * 1024
-ALL_REDUCE_ALGOS = ("ring", "recursive_doubling", "halving_doubling", "naive")
-
-# The framework's algorithms: the only module whose cut-out algorithms fall back to stand-ins.
-FRAMEWORK_ALGORITHMS = "tinytrain.distributed.algorithms"
-
-
-def choose_all_reduce_algo(nbytes: int) -> str:
-    """The all_reduce algorithm used for a buffer of ``nbytes`` when ``algo`` is not given."""
-    if nbytes < SMALL_MESSAGE_BYTES:
-        return "recursive_doubling"
-    return "halving_doubling" if nbytes < LARGE_MESSAGE_BYTES else "ring"
-
-
-def is_stub(fn) -> bool:
-    """True for a function a student release replaced by ``raise NotImplementedError("TODO ...")``."""
-    return any(isinstance(k, str) and k.startswith("TODO ") for k in fn.__code__.co_consts)
-
-
 # --- the public functions, over one module of algorithms --------------------------------------------
 
 
-class Collectives:
-    """The public collectives, running the algorithms of module ``algorithms`` (a name in sys.modules)."""
-
-    def __init__(self, algorithms: str):
-        self.module = algorithms
-        # Only the framework falls back to stand-ins (see rooted.py); an assignment raises its TODOs.
-        self.stand_ins = algorithms == FRAMEWORK_ALGORITHMS
-
-    def __repr__(self) -> str:
-        return f"Collectives({self.module!r})"
-
-    def _alg(self, name: str):
-        return getattr(sys.modules[self.module], name)
-
-    def _cut_out(self, *names: str) -> bool:
-        """True when a student release replaced one of these algorithms by a TODO stub (never in an assignment)."""
-        return self.stand_ins and any(is_stub(self._alg(name)) for name in names)
-
-    def _all_to_all(self):
-        return rooted.all_to_all_standin if self._cut_out("_all_to_all_pairwise") else self._alg("_all_to_all_pairwise")
+class Collectives(AlgorithmSource):
+    """The public collectives, running the algorithms of module ``algorithms`` (a name in sys.modules;
+    :class:`~choice.AlgorithmSource` looks them up, or their stand-ins in a student release)."""
 
     def all_reduce(self, tensor, op: str = "sum", group=None, async_op: bool = False, algo: str | None = None):
         """Reduce ``tensor`` across the group, **in place**; every rank ends with the result.
@@ -186,13 +147,10 @@ class Collectives:
             tail=list(tail),
             sizes=None if sizes is None else [int(x) for x in sizes],
         )
-        sizes = [rows] * g.size if sizes is None else check_sizes(g, sizes, "all_gather")
-        if sizes[g.rank] != rows:
-            raise ValueError(f"all_gather: sizes[{g.rank}]={sizes[g.rank]} but this rank's tensor has {rows} rows")
-        row_len = int(numpy.prod(tail, dtype=numpy.int64))
+        sizes = gather_sizes(g, sizes, rows, "all_gather")
         shape = (sum(sizes),) + tail
         out = new_out(check_out(out, shape, tensor.dtype, "all_gather"), tensor, shape)
-        bounds = chunk_bounds([s * row_len for s in sizes])
+        bounds = row_bounds(sizes, tail)
 
         def steps():
             flat = out.reshape(-1)
@@ -222,21 +180,8 @@ class Collectives:
         check_op(op, tensor.dtype)
         check_algo("reduce_scatter", algo, ("ring",), "ring")
         rows, tail = rows_of(tensor)
-        if sizes is None:
-            if rows % g.size:
-                raise ValueError(
-                    f"reduce_scatter: {rows} rows do not split evenly over {g.size} ranks; "
-                    "pass sizes=[rows for each rank] (e.g. split_counts(rows, n))"
-                )
-            sizes = [rows // g.size] * g.size
-        else:
-            sizes = check_sizes(g, sizes, "reduce_scatter")
-            if sum(sizes) != rows:
-                raise ValueError(
-                    f"reduce_scatter: sizes {sizes} add up to {sum(sizes)}, but the tensor has {rows} rows"
-                )
-        row_len = int(numpy.prod(tail, dtype=numpy.int64))
-        bounds = chunk_bounds([s * row_len for s in sizes])
+        sizes = split_sizes(g, sizes, rows, "reduce_scatter")
+        bounds = row_bounds(sizes, tail)
         shape = (sizes[g.rank],) + tail
         out = new_out(check_out(out, shape, tensor.dtype, "reduce_scatter"), tensor, shape)
 
@@ -279,19 +224,7 @@ class Collectives:
         check_algo("all_to_all", algo, ("pairwise",), "pairwise")
         rows, tail = rows_of(tensor)
         n = g.size
-        if send_sizes is None:
-            if rows % n:
-                raise ValueError(f"all_to_all: {rows} rows do not split evenly over {n} ranks; pass send_sizes")
-            send_sizes = [rows // n] * n
-            recv_sizes = send_sizes if recv_sizes is None else recv_sizes
-        send_sizes = check_sizes(g, send_sizes, "all_to_all (send_sizes)")
-        if sum(send_sizes) != rows:
-            raise ValueError(
-                f"all_to_all: send_sizes {send_sizes} add up to {sum(send_sizes)}, but the tensor has {rows} rows"
-            )
-        if recv_sizes is not None:
-            recv_sizes = check_sizes(g, recv_sizes, "all_to_all (recv_sizes)")
-        row_len = int(numpy.prod(tail, dtype=numpy.int64))
+        send_sizes, recv_sizes = all_to_all_sizes(g, rows, send_sizes, recv_sizes)
 
         def steps():
             nonlocal out
@@ -303,8 +236,7 @@ class Collectives:
                 got = [int(x) for x in theirs]
             shape = (sum(got),) + tail
             out = new_out(check_out(out, shape, tensor.dtype, "all_to_all"), tensor, shape)
-            send_bounds = chunk_bounds([s * row_len for s in send_sizes])
-            recv_bounds = chunk_bounds([s * row_len for s in got])
+            send_bounds, recv_bounds = row_bounds(send_sizes, tail), row_bounds(got, tail)
             yield from self._all_to_all()(c, tensor.reshape(-1), send_bounds, out.reshape(-1), recv_bounds)
             return out
 
@@ -345,17 +277,7 @@ class Collectives:
         check_buffer(tensor, "scatter", writable=True)
         root = check_root(g, src, "src")
         check_algo("scatter", algo, ("linear",), "linear")
-        rows, tail = rows_of(tensor)
-        if g.rank == root:
-            if full is None:
-                raise ValueError(f"scatter: rank {root} is the source and must pass full=")
-            check_buffer(full, "scatter (full)")
-            want = (rows * g.size,) + tail
-            if tuple(full.shape) != want or full.dtype != tensor.dtype:
-                raise ValueError(
-                    f"scatter: full must have shape {want} and dtype {tensor.dtype} "
-                    f"(n pieces of tensor's shape), got {tuple(full.shape)} {full.dtype}"
-                )
+        check_scatter_full(g, root, full, tensor)
         bounds = chunk_bounds([tensor.size] * g.size)
 
         def steps():
