@@ -2,7 +2,7 @@
 
 data_parallel.py (DDP, buckets, parameter server)   zero.py (ZeRO stages 1 < 2 < 3)
 tensor_parallel/ (mappings, layers, cross_entropy, model: Megatron TP + SP)
-pipeline.py (GPipe, 1F1B, interleaved; simulator.py plays schedules on paper)
+pipeline/ (schedules: GPipe, 1F1B, interleaved; stage, messages, executor; simulator.py plays them on paper)
 plan.py (a layout: how many ranks each strategy gets)   hybrid.py (parallelize: all of them on one mesh)
 
 Nothing here imports the training loop (``tinytrain.trainer``), which sits above.
