@@ -6,7 +6,7 @@ What the copy holds:
   tests, which plant bugs into the solution and so would show it);
 * each reference file of an assignment (every file of a reference package) with its solution
   regions replaced by the same stubs as the assignment file (the framework then uses its
-  stand-ins, see "Stand-ins" in ``tinytrain/distributed/collectives.py``);
+  stand-ins: ``AlgorithmSource`` in ``tinytrain/distributed/choice.py``, ``rooted.py``);
 * ``grader/RELEASE``, which makes ``--impl`` default to ``assignments`` and skips the tests of
   the removed reference solutions.
 

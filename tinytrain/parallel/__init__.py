@@ -1,5 +1,6 @@
 """One readable chapter per parallel strategy, in the lecture's order, and their composition.
 
+wrapper.py (what DDP, the parameter server and ZeRO share)
 data_parallel.py (DDP, buckets, parameter server)   zero.py (ZeRO stages 1 < 2 < 3)
 tensor_parallel/ (mappings, layers, cross_entropy, model: Megatron TP + SP)
 pipeline/ (schedules: GPipe, 1F1B, interleaved; stage, messages, executor; simulator.py plays them on paper)
