@@ -307,3 +307,38 @@ def test_the_serial_runner_implements_the_runner_protocol():
     runner = SerialRunner(GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=2, n_embd=8)))
     assert isinstance(runner, Runner)
     assert not isinstance(object(), Runner)
+
+
+def test_the_pipeline_plot_draws_one_row_per_stage_under_tp_and_dp(tmp_path, monkeypatch):
+    """--pp 2 --tp 2 --dp 2: 8 ranks trace, but the Gantt chart has stage 0 and stage 1 only,
+    each drawn from replica 0's TP rank 0 (world ranks 0 and 2)."""
+    import argparse
+
+    import tinytrain.viz as viz
+    from tinytrain.parallel.plan import Plan
+    from tinytrain.trainer.plots import plot_last_pipeline_step
+
+    plan = Plan(dp=2, pp=2, tp=2, microbatches=2)
+    spans = []
+    for rank in range(8):
+        spans.append({"rank": rank, "cat": "step", "name": "step", "start": 0, "end": 100, "args": {"step": 1}})
+        for mb in range(2):
+            start = 10 * mb + rank
+            spans.append(
+                {
+                    "rank": rank,
+                    "cat": "forward",
+                    "name": f"F{mb}",
+                    "start": start,
+                    "end": start + 5,
+                    "args": {"microbatch": mb},
+                }
+            )
+    drawn = {}
+    monkeypatch.setattr(viz, "compare_pipelines", lambda panels, *a, **k: drawn.update(panels=panels))
+    monkeypatch.setattr(viz, "plot_activation_memory", lambda *a, **k: None)
+    args = argparse.Namespace(steps=1, schedule="1f1b")
+    plot_last_pipeline_step(spans, plan, args, tmp_path)
+    measured = drawn["panels"][1][1]
+    assert sorted({e[0] for e in measured}) == [0, 1]
+    assert sorted(e[4] for e in measured if e[0] == 1) == [0.002, 0.012]  # world rank 2 starts at 2, 12 us

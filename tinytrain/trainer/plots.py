@@ -8,15 +8,22 @@ from pathlib import Path
 
 def plot_last_pipeline_step(spans, plan, args, out: Path) -> None:
     """The measured last step next to the simulated schedule, and activation memory per stage."""
+    from tinytrain.parallel.pipeline import make_schedule
     from tinytrain.parallel.simulator import bubble_formula, simulate
     from tinytrain.viz import bubble_share, compare_pipelines, pipeline_events, plot_activation_memory
 
+    # One rank draws each stage: replica 0's TP rank 0 (the mesh {dp, pp, tp} has TP innermost,
+    # so stage s of replica 0 starts at world rank s·tp); its spans are relabelled with s.
+    stage_of = {s * plan.tp: s for s in range(plan.pp)}
     last = {s["rank"]: s for s in spans if s["cat"] == "step" and s["args"]["step"] == args.steps}
     in_last = [
-        s for s in spans if s["rank"] in last and last[s["rank"]]["start"] <= s["start"] <= last[s["rank"]]["end"]
+        dict(s, rank=stage_of[s["rank"]])
+        for s in spans
+        if s["rank"] in stage_of
+        and s["rank"] in last
+        and last[s["rank"]]["start"] <= s["start"] <= last[s["rank"]]["end"]
     ]
     measured = pipeline_events(in_last)
-    from tinytrain.parallel.pipeline import make_schedule
 
     p, m, v = plan.pp, plan.n_microbatches, plan.chunks
     simulated = simulate(make_schedule(plan.schedule, p, m, v), chunks=v).rows()
