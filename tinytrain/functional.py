@@ -78,8 +78,9 @@ def dropout(x, p=0.5, training=True, generator=None, site=None, seq_shard=None):
     with the same seed draws the same masks.
 
     A rank that holds a piece of the serial tensor draws the serial tensor's mask and keeps its
-    piece: its rows of the global batch (``random.batch_rows``) and, with ``seq_shard=(r, n)``,
-    piece r of n along the sequence axis (sequence parallel). Every layout sees the serial masks.
+    piece: its rows of the global batch (``random.batch_rows``), and along the sequence axis piece r
+    of n with ``seq_shard=(r, n)`` (sequence parallel) or its positions (``random.sequence_positions``,
+    context parallel). Every layout sees the serial masks.
     """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
@@ -92,10 +93,17 @@ def dropout(x, p=0.5, training=True, generator=None, site=None, seq_shard=None):
     if rows is not None:
         first, full_shape[0] = rows
         index[0] = slice(first, first + x.shape[0])
+    positions = _random.current_sequence_positions()
+    if seq_shard is not None and positions is not None:
+        raise ValueError(
+            "dropout: a tensor is cut along the sequence by sequence parallel or context parallel, not both"
+        )
     if seq_shard is not None:
         r, n = seq_shard
         full_shape[1], index[1] = x.shape[1] * n, slice(r * x.shape[1], (r + 1) * x.shape[1])
-    if rows is None and seq_shard is None:
+    if positions is not None:
+        index[1], full_shape[1] = positions
+    if rows is None and seq_shard is None and positions is None:
         return ops.Dropout.apply(x, p, generator)
     return ops.Dropout.apply(x, p, generator, full_shape=tuple(full_shape), index=tuple(index))
 

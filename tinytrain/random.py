@@ -17,7 +17,8 @@ Dropout under any parallel layout draws exactly the serial model's masks. Two th
   that never runs block 0, or ZeRO-3 recomputing a layer in backward, draws the same mask;
 - a rank that computes only some rows of the global batch (a data-parallel replica, a pipeline
   micro-batch) says so with ``with batch_rows(first, total):``; dropout then draws the mask of the
-  whole batch and keeps its rows (``functional.dropout``).
+  whole batch and keeps its rows (``functional.dropout``). A rank that holds only some positions
+  of every sequence (context parallel) says so with ``with sequence_positions(positions, total):``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy
 
 from tinytrain.backend import default_rng
 
-_state = {"device": default_rng(0), "host": numpy.random.default_rng(0), "seed": (0,), "rows": None}
+_state = {"device": default_rng(0), "host": numpy.random.default_rng(0), "seed": (0,), "rows": None, "positions": None}
 
 
 def manual_seed(seed) -> None:
@@ -74,3 +75,22 @@ def default_generator():
 def host_generator():
     """The global host generator (parameter initialization when no ``rng`` is given)."""
     return _state["host"]
+
+
+@contextlib.contextmanager
+def sequence_positions(positions, total: int):
+    """Inside, the arrays this rank computes hold sequence positions ``positions`` (axis 1, sorted
+    integers) of sequences of ``total`` positions."""
+    positions = numpy.asarray(positions)
+    if positions.size and not (0 <= positions.min() and positions.max() < total):
+        raise ValueError(f"sequence_positions: positions outside a sequence of {total}")
+    previous, _state["positions"] = _state["positions"], (positions, total)
+    try:
+        yield
+    finally:
+        _state["positions"] = previous
+
+
+def current_sequence_positions():
+    """``(positions, total)`` set by the innermost ``sequence_positions``, or None."""
+    return _state["positions"]

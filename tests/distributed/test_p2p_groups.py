@@ -69,6 +69,10 @@ def test_device_mesh_layout_groups_and_rings():
         dist.DeviceMesh({"dp": 3, "tp": 2})
     with pytest.raises(ValueError, match="not 'pp'"):
         mesh.get_group("pp")
+    mesh4 = dist.DeviceMesh({"dp": 2, "cp": 1, "tp": 2})
+    both = mesh4.get_group("tp", "dp")  # flattened in mesh order: dp outer, tp inner
+    assert both.world_ranks == (0, 1, 2, 3) and mesh4.get_group("dp", "tp") is both
+    assert mesh4.get_group("dp", "cp").world_ranks == mesh4.get_group("dp").world_ranks
 
 
 def test_init_is_idempotent_and_single_rank_world_works():

@@ -7,6 +7,7 @@ strategies each take one of those groups; ``tinytrain.parallel.hybrid`` composes
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from .group import ProcessGroup, _subgroup, resolve
@@ -64,11 +65,23 @@ class DeviceMesh:
             rank = rank * self.shape[axis] + int(coords[axis])
         return rank
 
-    def get_group(self, axis: str) -> ProcessGroup:
-        """The group of ranks that differ from this one only along ``axis``."""
-        if axis not in self._groups:
-            raise ValueError(f"mesh has axes {list(self.axis_names)}, not {axis!r}")
-        return self._groups[axis]
+    def get_group(self, *axes: str) -> ProcessGroup:
+        """The group of ranks that differ from this one only along ``axes``: one axis, or several
+        flattened in mesh order (``get_group("dp", "cp")``: every replica and context shard of
+        this rank's other coordinates). A flattened group is built on first use, so every rank
+        must ask for it at the same point."""
+        unknown = [a for a in axes if a not in self.shape]
+        if not axes or unknown:
+            raise ValueError(f"mesh has axes {list(self.axis_names)}, not {', '.join(map(repr, unknown)) or 'none'}")
+        key = tuple(a for a in self.axis_names if a in axes)
+        name = key[0] if len(key) == 1 else "x".join(key)
+        if name not in self._groups:
+            members = sorted(
+                self.rank_at(**{**self.coords, **dict(zip(key, index))})
+                for index in itertools.product(*(range(self.shape[a]) for a in key))
+            )
+            self._groups[name] = _subgroup(self.base, members, name)
+        return self._groups[name]
 
     def size(self, axis: str) -> int:
         return self.shape[axis]

@@ -2,7 +2,8 @@
 
 A ``Plan`` says how many ranks each strategy gets. Its ranks form a mesh, tensor parallel
 innermost (its all-reduces run between every pair of matmuls: keep them inside a node), then
-pipeline stages, data-parallel replicas outermost (one gradient sum per step)::
+context-parallel ranks (K/V around a ring every layer), pipeline stages, data-parallel replicas
+outermost (one gradient sum per step)::
 
     mpirun -n 8 tinytrain train --dp 2 --pp 2 --tp 2        mesh {dp: 2, pp: 2, tp: 2}
 
@@ -18,18 +19,21 @@ pipeline stages, data-parallel replicas outermost (one gradient sum per step)::
 into this rank's part, always in this order, as torchtitan's ``parallelize`` does:
 
     1. shard every block for TP (and SP)         tensor_parallel.tensor_parallel_gpt
+       attention over the CP group (positions)   context_parallel.apply_context_parallel
     2. cut the blocks into pipeline stages       pipeline.PipelineStage
     3. replicate over DP, or shard with ZeRO     data_parallel.BucketedDDP, zero.Zero
 
 and returns a ``ParallelModel``: ``forward_backward``, ``clip_grad_norm_``, ``step``. The training
 loop drives that and knows no strategy. Every layout computes the serial model's loss and
-gradients: replica d takes rows [d·B/D, (d+1)·B/D) of the global batch, divides its summed loss
-by (targets in the global batch) / D, and the DP average then is the serial gradient; dropout
-draws the serial masks (``tinytrain.random``).
+gradients: replica d takes rows [d·B/D, (d+1)·B/D) of the global batch (and, under CP, context
+rank c its positions of each sequence), divides its summed loss by (targets in the global batch)
+/ (D·C), and the average over DP and CP then is the serial gradient; dropout draws the serial
+masks (``tinytrain.random``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from tinytrain import checkpoint
@@ -50,10 +54,16 @@ class ParallelModel:
         self.model, self.plan = model, plan
         self.shapes = {name: p.shape for name, p in model.named_parameters()}  # before ZeRO-3 frees them
         mesh = plan.mesh()
-        self.dp_rank, self.tp_rank = mesh.coordinate("dp"), mesh.coordinate("tp")
-        self.dp_group, self.pp_group, self.tp_group = (mesh.get_group(a) for a in ("dp", "pp", "tp"))
+        self.dp_rank, self.cp_rank, self.tp_rank = (mesh.coordinate(a) for a in ("dp", "cp", "tp"))
+        self.dp_group, self.pp_group, self.cp_group, self.tp_group = (
+            mesh.get_group(a) for a in ("dp", "pp", "cp", "tp")
+        )
+        # Replicas and context shards both hold whole weights and see different tokens: gradients
+        # and the loss average over both (CP is data parallel for the weights).
+        self.data_group = mesh.get_group("dp", "cp") if plan.cp > 1 else self.dp_group
         self.placement = {id(p): Placement(name) for name, p in model.named_parameters()}
         self.part = self._shard_tensor_parallel(model)  # 1.
+        self.context = self._context_parallel(self.part)  # 1b.
         self.stage = self._split_pipeline(self.part)  # 2.
         self.dp, self.zero = self._wrap_data_parallel()  # 3.
 
@@ -74,6 +84,17 @@ class ParallelModel:
     def _sum_over_tp(self, grad):
         return dist.all_reduce(grad.copy(), group=self.tp_group, algo="ring")
 
+    # --- 1b. context parallel: attention over the CP ring (or all-to-all), activations cut by position
+
+    def _context_parallel(self, part):
+        if self.plan.cp == 1:
+            return None
+        from tinytrain.parallel.context_parallel import apply_context_parallel
+
+        context = apply_context_parallel(part, self.cp_group, algo=self.plan.cp_algo, split=self.plan.cp_split)
+        context.positions(self.model.config.block_size)  # a sequence that does not split fails here, not mid-step
+        return context
+
     # --- 2. pipeline ---------------------------------------------------------------------------
 
     def _split_pipeline(self, part):
@@ -90,7 +111,7 @@ class ParallelModel:
 
     def _wrap_data_parallel(self):
         """(wrapper the forward runs through or None, the ZeRO object or None)."""
-        plan, group = self.plan, self.dp_group
+        plan, group = self.plan, self.data_group
         if plan.zero:
             from tinytrain.parallel.zero import Zero
 
@@ -118,7 +139,8 @@ class ParallelModel:
         plan, total = self.plan, x.shape[0]
         per = total // plan.dp
         first = self.dp_rank * per
-        n_targets = int((y != IGNORE).sum()) / plan.dp  # DP averages: (sum over replicas) / targets
+        # the data group averages: (sum over replicas and context shards) / targets
+        n_targets = int((y != IGNORE).sum()) / (plan.dp * plan.cp)
         x, y = x[first : first + per], y[first : first + per]
         if self.stage is not None:
             from tinytrain.parallel.pipeline import train_step
@@ -128,18 +150,32 @@ class ParallelModel:
             value = xp.asarray([loss if loss is not None else 0.0], dtype=xp.float64)
             dist.all_reduce(value, group=self.pp_group)  # the last stage has it
         else:
-            with _random.batch_rows(first, total):
-                loss = self._loss(x, y, n_targets)
+            with _random.batch_rows(first, total), self._my_positions(x.shape[1]) as positions:
+                if positions is not None:  # context parallel: my positions of every sequence
+                    x, y = x[:, positions], y[:, positions]
+                loss = self._loss(x, y, n_targets, positions)
                 if self.dp is not None:
                     self.dp.backward(loss)  # the DP/ZeRO wrapper: backward, then its gradient sync
                 else:
                     loss.backward()
             value = xp.asarray([loss.item()], dtype=xp.float64)
-        return float(dist.all_reduce(value, op="avg", group=self.dp_group)[0])
+        return float(dist.all_reduce(value, op="avg", group=self.data_group)[0])
 
-    def _loss(self, x, y, n_targets):
+    @contextlib.contextmanager
+    def _my_positions(self, seq_len: int):
+        """Context parallel: this rank's sequence positions, also for dropout's masks; else None."""
+        if self.context is None:
+            yield None
+            return
+        positions = self.context.positions(seq_len)
+        with _random.sequence_positions(positions, seq_len):
+            yield positions
+
+    def _loss(self, x, y, n_targets, positions=None):
         if self.zero is not None and self.zero.stage == 3:  # runs layer by layer, gathering each
             return F.cross_entropy(self.zero(xp.asarray(x)), xp.asarray(y), reduction="sum") / n_targets
+        if positions is not None:
+            return self.part.loss(x, y, denominator=n_targets, positions=positions)
         return self.part.loss(x, y, denominator=n_targets)
 
     def _sync_pipeline_gradients(self) -> None:
@@ -161,7 +197,7 @@ class ParallelModel:
             if grad is not None and id(p) not in tied:
                 sq[0 if self.placement[id(p)].axis is not None else 1] += float((grad.astype(xp.float64) ** 2).sum())
         if self.zero is not None:
-            dist.all_reduce(sq, group=self.dp_group)
+            dist.all_reduce(sq, group=self.data_group)
         if self.stage is not None:
             dist.all_reduce(sq, group=self.pp_group)
         sharded = sq[:1].copy()
@@ -208,11 +244,11 @@ class ParallelModel:
         return self.zero.shards if self.zero is not None else None
 
     def _writes(self, placement, p) -> bool:
-        """One writer per piece: TP rank 0 for a TP-replicated weight, DP rank 0 unless ZeRO
-        splits it, the first stage for a weight tied between first and last stage."""
+        """One writer per piece: TP rank 0 for a TP-replicated weight, the data group's rank 0
+        (DP and CP) unless ZeRO splits it, the first stage for a weight tied between first and last stage."""
         if placement.axis is None and self.tp_rank != 0:
             return False
-        if self.zero is None and self.dp_rank != 0:
+        if self.zero is None and (self.dp_rank, self.cp_rank) != (0, 0):
             return False
         return not (self.stage is not None and not self.stage.is_first and any(p is t for t in self.stage.tied))
 

@@ -1,7 +1,7 @@
 """The layout of a parallel run: how many ranks each strategy gets (``Plan``) and which layouts
 cannot work (``Plan.check``, one sentence each, before any rank computes).
 
-The mesh has TP innermost, then PP, DP outermost; ``hybrid.parallelize`` applies the plan to a
+The mesh has TP innermost, then CP, PP, DP outermost; ``hybrid.parallelize`` applies the plan to a
 model. This module imports nothing that talks between ranks, so the CLI checks flags without MPI.
 """
 
@@ -24,10 +24,13 @@ class Plan:
     chunks: int = 1
     bucket_mb: float = 1.0
     progress: str = "poll"
+    cp: int = 1
+    cp_algo: str = "ring"
+    cp_split: str = "zigzag"
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def n_microbatches(self) -> int:
@@ -39,14 +42,15 @@ class Plan:
 
     def flags(self) -> str:
         """The command-line flags of this plan, for messages."""
-        parts = [f"--{k} {v}" for k, v in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp)) if v > 1]
+        sizes = (("dp", self.dp), ("pp", self.pp), ("cp", self.cp), ("tp", self.tp))
+        parts = [f"--{k} {v}" for k, v in sizes if v > 1]
         parts += ["--sp"] if self.sp else []
         parts += [f"--zero {self.zero}"] if self.zero else []
         return " ".join(parts) or "(serial)"
 
     def check(self, world_size: int, config, batch_size: int) -> None:
         """Refuse, before any rank computes, a layout that cannot work: one sentence per reason."""
-        for name in ("dp", "tp", "pp", "chunks"):
+        for name in ("dp", "tp", "pp", "cp", "chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.microbatches is not None and self.microbatches < 1:
@@ -55,6 +59,20 @@ class Plan:
             raise ValueError(f"--bucket-mb must be positive, got {self.bucket_mb}")
         if self.sp and self.tp < 2:
             raise ValueError("--sp splits the sequence over the tensor-parallel group: add --tp 2 or more")
+        if self.cp > 1 and self.pp > 1:
+            raise ValueError(
+                "--cp with --pp is not composed here (pipeline stages hand on whole sequences); "
+                "use --cp with --dp and --tp"
+            )
+        if self.cp > 1 and self.sp:
+            raise ValueError("--cp and --sp both cut the sequence; use one of them")
+        if self.cp > 1 and self.zero == 3:
+            raise ValueError(
+                "--zero 3 with --cp is not composed here (ZeRO-3 runs whole sequences layer by "
+                "layer); use --zero 1 or 2 with --cp"
+            )
+        if self.cp > 1:
+            self.check_context_parallel(config)
         if self.pp == 1 and (self.chunks != 1 or self.microbatches):
             raise ValueError("--chunks and --microbatches cut the batch for a pipeline: they need --pp 2 or more")
         if self.zero > 1 and self.pp > 1:
@@ -77,7 +95,7 @@ class Plan:
             raise ValueError("--tp shards the plain GPT with tied weights")
         if world_size != self.world_size:
             raise ValueError(
-                f"{self.flags()} needs exactly {self.world_size} ranks (dp x pp x tp): run `mpirun -n "
+                f"{self.flags()} needs exactly {self.world_size} ranks (dp x pp x cp x tp): run `mpirun -n "
                 f"{self.world_size} tinytrain train {self.flags()} ...` (this run has {world_size})"
             )
         if batch_size % (self.dp * (self.n_microbatches if self.pp > 1 else 1)):
@@ -92,8 +110,25 @@ class Plan:
             make_schedule(self.schedule, self.pp, self.n_microbatches, self.chunks)
             split_layers(config.n_layer, self.pp, self.chunks)
 
+    def check_context_parallel(self, config) -> None:
+        if self.cp_algo not in ("ring", "alltoall") or self.cp_split not in ("zigzag", "contiguous"):
+            raise ValueError(
+                f"--cp-algo ring|alltoall and --cp-split zigzag|contiguous, got {self.cp_algo}, {self.cp_split}"
+            )
+        chunks = 2 * self.cp if self.cp_split == "zigzag" else self.cp
+        if config.block_size % chunks:
+            raise ValueError(
+                f"--cp {self.cp} --cp-split {self.cp_split} cuts each sequence into {chunks} equal chunks, but a "
+                f"sequence has {config.block_size} tokens: use a --block-size that is a multiple of {chunks}"
+            )
+        if self.cp_algo == "alltoall" and config.n_head % (self.tp * self.cp):
+            raise ValueError(
+                f"--cp-algo alltoall gives each of the {self.cp} context ranks whole heads: --heads {config.n_head} "
+                f"(over --tp {self.tp}) does not split; use --heads divisible by {self.tp * self.cp} or --cp-algo ring"
+            )
+
     def mesh(self):
-        """The device mesh {dp, pp, tp} of this plan over the world (TP innermost)."""
+        """The device mesh {dp, pp, cp, tp} of this plan over the world (TP innermost)."""
         from tinytrain import distributed as dist
 
-        return dist.DeviceMesh({"dp": self.dp, "pp": self.pp, "tp": self.tp})
+        return dist.DeviceMesh({"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp})

@@ -68,6 +68,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument(
         "--sp", action="store_true", help="with --tp: sequence parallel (LayerNorm/dropout on sequence shards)"
     )
+    par.add_argument("--cp", type=int, default=1, help="context-parallel ranks (every sequence split across them)")
+    par.add_argument(
+        "--cp-algo",
+        choices=("ring", "alltoall"),
+        default="ring",
+        help="context-parallel attention: K/V around a ring, or all-to-all to head shards (Ulysses)",
+    )
+    par.add_argument(
+        "--cp-split",
+        choices=("zigzag", "contiguous"),
+        default="zigzag",
+        help="which positions a context rank holds: chunks r and 2N-1-r (balanced under the causal mask), or chunk r",
+    )
     run.add_argument("--quiet", action="store_true", help="no progress output")
 
 

@@ -12,9 +12,9 @@ def plot_last_pipeline_step(spans, plan, args, out: Path) -> None:
     from tinytrain.parallel.simulator import bubble_formula, simulate
     from tinytrain.viz import bubble_share, compare_pipelines, pipeline_events, plot_activation_memory
 
-    # One rank draws each stage: replica 0's TP rank 0 (the mesh {dp, pp, tp} has TP innermost,
-    # so stage s of replica 0 starts at world rank s·tp); its spans are relabelled with s.
-    stage_of = {s * plan.tp: s for s in range(plan.pp)}
+    # One rank draws each stage: replica 0's TP rank 0 (the mesh {dp, pp, cp, tp} has TP innermost,
+    # so stage s of replica 0 starts at world rank s·cp·tp); its spans are relabelled with s.
+    stage_of = {s * plan.cp * plan.tp: s for s in range(plan.pp)}
     last = {s["rank"]: s for s in spans if s["cat"] == "step" and s["args"]["step"] == args.steps}
     in_last = [
         dict(s, rank=stage_of[s["rank"]])
