@@ -63,6 +63,33 @@ def bubble_share(events: list) -> float:
     return 1.0 - busy / (len(stages) * (end - start))
 
 
+def _union(intervals: list) -> list:
+    """Sorted, merged (start, end) intervals."""
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def overlap_share(spans: list, is_compute, is_comm=lambda s: s["cat"] == "comm.step") -> float:
+    """Share of communication time hidden behind compute: per rank, the time that both a span
+    with ``is_comm`` and one with ``is_compute`` were open, over the time any ``is_comm`` span was
+    open, added up over ranks. 1.0: every message moved while the rank computed; 0.0: none did."""
+    hidden = total = 0.0
+    for rank in sorted({s["rank"] for s in spans}):
+        comm = _union([(s["start"], s["end"]) for s in spans if s["rank"] == rank and is_comm(s)])
+        compute = _union([(s["start"], s["end"]) for s in spans if s["rank"] == rank and is_compute(s)])
+        total += sum(end - start for start, end in comm)
+        for c0, c1 in comm:
+            hidden += sum(max(0.0, min(c1, k1) - max(c0, k0)) for k0, k1 in compute)
+    if total == 0:
+        raise ValueError("the trace has no communication spans to measure overlap on")
+    return hidden / total
+
+
 def plot_pipeline(
     events: list, ax=None, title: str | None = None, formula: float | None = None, path=None, unit_ms: bool = False
 ):

@@ -17,28 +17,19 @@ import pytest
 from tinytrain import distributed as dist
 from tinytrain.cli import main
 
-TINY = [
-    "--layers",
-    "4",
-    "--width",
-    "32",
-    "--heads",
-    "4",
-    "--batch-size",
-    "8",
-    "--steps",
-    "4",
-    "--eval-every",
-    "2",
-    "--eval-batches",
-    "1",
-    "--warmup",
-    "1",
-    "--dropout",
-    "0.1",
-    "--quiet",
-    "--no-plot",
-]
+TINY = (
+    "--layers 4 --width 32 --heads 4 --batch-size 8 --steps 4 --eval-every 2 --eval-batches 1 --warmup 1 "
+    "--dropout 0.1 --quiet --no-plot"
+).split()
+
+
+def text_data(tmp_path) -> list[str]:
+    """Context parallel cuts sequences into 2·CP chunks: characters of a text, 16 per sequence."""
+    words = np.random.default_rng(0).choice(["the ", "cat ", "sat ", "on ", "a ", "mat. ", "\n"], size=800)
+    path = tmp_path / "text.txt"
+    path.write_text("".join(words))
+    return ["--data", str(path), "--block-size", "16"]
+
 
 _serial: dict = {}  # the serial run's metrics, computed once (rank 0)
 
@@ -47,16 +38,16 @@ def metrics(out) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
 
-def serial_metrics(tmp_path) -> dict:
-    if "metrics" not in _serial:
-        assert main(["train", *TINY, "--out", str(tmp_path / "serial")]) == 0
-        _serial["metrics"] = metrics(tmp_path / "serial")
-    return _serial["metrics"]
+def serial_metrics(tmp_path, extra=(), key="addition") -> dict:
+    if key not in _serial:
+        assert main(["train", *TINY, *extra, "--out", str(tmp_path / "serial")]) == 0
+        _serial[key] = metrics(tmp_path / "serial")
+    return _serial[key]
 
 
-def assert_on_serial_curve(out, tmp_path) -> None:
+def assert_on_serial_curve(out, tmp_path, extra=(), key="addition") -> None:
     """Loss, clipped gradient norm per step and the final evaluation equal the serial run's."""
-    got, want = metrics(out), serial_metrics(tmp_path)
+    got, want = metrics(out), serial_metrics(tmp_path, extra, key)
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(
             [s[key] for s in got["steps"]], [s[key] for s in want["steps"]], rtol=2e-5, atol=1e-6, err_msg=key
@@ -64,11 +55,11 @@ def assert_on_serial_curve(out, tmp_path) -> None:
     np.testing.assert_allclose(got["final"]["val_loss"], want["final"]["val_loss"], rtol=2e-5)
 
 
-def run_layout(tmp_path, layout: str) -> None:
+def run_layout(tmp_path, layout: str, extra=(), key="addition") -> None:
     out = parallel_cases.shared_dir(tmp_path) / "run"
-    assert main(["train", *TINY, *layout.split(), "--out", str(out)]) == 0
+    assert main(["train", *TINY, *extra, *layout.split(), "--out", str(out)]) == 0
     if dist.get_rank() == 0:
-        assert_on_serial_curve(out, tmp_path)
+        assert_on_serial_curve(out, tmp_path, extra, key)
 
 
 @pytest.mark.world_size(4)
@@ -99,6 +90,27 @@ def test_four_rank_layouts_lie_on_the_serial_curve(tmp_path, layout):
 @pytest.mark.parametrize("layout", ["--dp 2 --zero 3", "--pp 2 --schedule interleaved --chunks 2 --microbatches 4"])
 def test_two_rank_layouts_lie_on_the_serial_curve(tmp_path, layout):
     run_layout(tmp_path, layout)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "--cp 4",
+        "--cp 4 --cp-split contiguous",
+        "--cp 4 --cp-algo alltoall",
+        "--dp 2 --cp 2",
+        "--cp 2 --tp 2",
+        "--dp 2 --cp 2 --zero 1",
+    ],
+)
+def test_context_parallel_layouts_lie_on_the_serial_curve(tmp_path, layout):
+    run_layout(tmp_path, layout, text_data(tmp_path), key="text")
+
+
+@pytest.mark.world_size(2)
+def test_two_rank_context_parallel_lies_on_the_serial_curve(tmp_path):
+    run_layout(tmp_path, "--cp 2 --cp-algo alltoall --cp-split contiguous", text_data(tmp_path), key="text")
 
 
 @pytest.mark.world_size(8)
@@ -167,6 +179,9 @@ def test_pipeline_plot_and_trace_leave_their_files(tmp_path):
         (["--tp", "2", "--heads", "3", "--width", "33"], "number of attention heads = 3"),
         (["--sp"], "add --tp 2 or more"),
         (["--dp", "2", "--experts", "2"], "--experts trains serially"),
+        (["--cp", "2", "--pp", "2"], "--cp with --pp is not composed here"),
+        (["--cp", "2", "--tp", "2", "--sp"], "--cp and --sp both cut the sequence"),
+        (["--cp", "2", "--digits", "3"], "a sequence has 11 tokens: choose --block-size"),
     ],
 )
 def test_impossible_layouts_are_refused_with_what_to_change(tmp_path, capsys, extra, message):

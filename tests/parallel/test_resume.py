@@ -20,30 +20,10 @@ from tinytrain.cli import main
 from tinytrain.data import AdditionDataset
 from tinytrain.distributed import DistributedError
 
-TINY = [
-    "--layers",
-    "4",
-    "--width",
-    "32",
-    "--heads",
-    "4",
-    "--batch-size",
-    "8",
-    "--steps",
-    "6",
-    "--ckpt-every",
-    "3",
-    "--eval-every",
-    "5",
-    "--eval-batches",
-    "1",
-    "--warmup",
-    "1",
-    "--dropout",
-    "0.1",
-    "--quiet",
-    "--no-plot",
-]
+TINY = (
+    "--layers 4 --width 32 --heads 4 --batch-size 8 --steps 6 --ckpt-every 3 --eval-every 5 --eval-batches 1 "
+    "--warmup 1 --dropout 0.1 --quiet --no-plot"
+).split()
 
 
 def train(out, layout: str, *extra) -> None:

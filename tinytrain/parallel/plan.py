@@ -119,7 +119,8 @@ class Plan:
         if config.block_size % chunks:
             raise ValueError(
                 f"--cp {self.cp} --cp-split {self.cp_split} cuts each sequence into {chunks} equal chunks, but a "
-                f"sequence has {config.block_size} tokens: use a --block-size that is a multiple of {chunks}"
+                f"sequence has {config.block_size} tokens: choose --block-size (text data) or --digits so that it is "
+                f"a multiple of {chunks}, or another --cp"
             )
         if self.cp_algo == "alltoall" and config.n_head % (self.tp * self.cp):
             raise ValueError(
