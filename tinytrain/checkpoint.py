@@ -70,10 +70,6 @@ class Piece:
     flat_start: int | None = None
     flat_stop: int | None = None
 
-    @property
-    def key(self) -> str:
-        return f"{self.name}/{self.field}/{self.axis}/{self.start}/{self.flat_start}"
-
 
 def _atomic_write(path: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
