@@ -54,6 +54,7 @@ from tinytrain.autograd import Parameter, Tensor
 from tinytrain.backend import xp
 from tinytrain.checkpoint import Placement
 from tinytrain.nn.module import Module
+from tinytrain.nn.transformer import attend
 from assignments.a4_tensor_parallel.mappings import (
     CopyToRegion,
     GatherFromRegion,
@@ -217,9 +218,10 @@ class ParallelAttention(Parallel):
         self.v = ColumnParallelLinear(attn.v, group, join(name, "v"), sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(attn.proj, group, join(name, "proj"), sequence_parallel=sequence_parallel)
         self.p, self.dropout_site = attn.dropout.p, join(name, "dropout")
+        self.attention_fn = None  # None: causal attention on my heads; context parallel sets its own
 
     def forward(self, x):
-        raise NotImplementedError("TODO 4.3: Enter once (q, k, v share it), local linears, my n_head/t heads, proj, dropout.")
+        raise NotImplementedError("TODO 4.3: Enter once (q, k, v share it), local linears, my n_head/t heads, attend(self.attention_fn, q, k, v), proj, dropout.")
 
 
 class ReplicatedLayerNorm(Parallel):

@@ -74,6 +74,9 @@ class CausalSelfAttention(Module):
         self.v = Linear(C, C, config.bias, rng=rng)
         self.proj = Linear(C, C, config.bias, std=proj_std, rng=rng)
         self.dropout = Dropout(config.dropout)
+        # Pluggable attention over (B, H, T, D) q, k, v: None is causal softmax attention on the
+        # whole sequence; context parallel sets a function over this rank's sequence positions.
+        self.attention_fn = None
 
     def split_heads(self, x):
         B, T, C = x.shape
@@ -82,9 +85,16 @@ class CausalSelfAttention(Module):
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.split_heads(self.q(x)), self.split_heads(self.k(x)), self.split_heads(self.v(x))
-        y = F.scaled_dot_product_attention(q, k, v, causal=True)
+        y = attend(self.attention_fn, q, k, v)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.proj(y))
+
+
+def attend(attention_fn, q, k, v):
+    """``attention_fn(q, k, v)``, or causal attention over the whole sequence when it is None."""
+    if attention_fn is None:
+        return F.scaled_dot_product_attention(q, k, v, causal=True)
+    return attention_fn(q, k, v)
 
 
 class Block(Module):
@@ -117,6 +127,18 @@ class Block(Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def sequence_positions(T, positions, block_size):
+    """The position of each of the ``T`` columns: ``arange(T)``, or the given ``positions`` (checked)."""
+    if positions is None:
+        return xp.arange(T)
+    positions = xp.asarray(positions)
+    if positions.shape != (T,):
+        raise ValueError(f"positions has shape {positions.shape}, but ids have {T} columns: give one position each")
+    if T and int(positions.max()) >= block_size:
+        raise ValueError(f"position {int(positions.max())} is beyond block_size={block_size}")
+    return positions
+
+
 MOE_AUX_WEIGHT = 0.01  # weight of the MoE load-balancing loss in GPT.loss
 
 
@@ -138,15 +160,16 @@ class GPT(Module):
             if isinstance(module, Dropout):
                 module.site = name  # its masks are keyed by its name: the same under every layout
 
-    def embed(self, ids):
-        """Token plus position embeddings of ``ids`` (B, T) -> (B, T, n_embd)."""
+    def embed(self, ids, positions=None):
+        """Token plus position embeddings of ``ids`` (B, T) -> (B, T, n_embd). ``positions``: the
+        global sequence positions of ``ids``' columns (context parallel); None is ``arange(T)``."""
         ids = xp.asarray(ids.data if isinstance(ids, Tensor) else ids)
         if ids.ndim != 2:
             raise ValueError(f"GPT takes token ids of shape (batch, time), got {ids.shape}")
         T = ids.shape[1]
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
-        positions = xp.arange(T)
+        positions = sequence_positions(T, positions, self.config.block_size)
         return self.drop(self.wte(ids) + self.wpe(positions))
 
     def logits(self, x):
@@ -161,15 +184,15 @@ class GPT(Module):
 
     # --- what the training loop and the parallel layouts call -----------------------------------
 
-    def loss(self, ids, targets, denominator=None):
+    def loss(self, ids, targets, denominator=None, positions=None):
         """Training loss: cross-entropy over the counted targets (divided by ``denominator`` when
         given, so that replicas holding parts of a batch add up to the batch's mean), plus the MoE
-        load-balancing loss (weight ``MOE_AUX_WEIGHT``) with experts."""
-        return self.head_loss(self.hidden(ids), targets, denominator)
+        load-balancing loss (weight ``MOE_AUX_WEIGHT``) with experts. ``positions``: see ``embed``."""
+        return self.head_loss(self.hidden(ids, positions), targets, denominator)
 
-    def hidden(self, ids):
-        """The last block's output (B, T, n_embd)."""
-        x = self.embed(ids)
+    def hidden(self, ids, positions=None):
+        """The last block's output (B, T, n_embd); ``positions``: see ``embed``."""
+        x = self.embed(ids, positions)
         for block in self.blocks:
             x = block(x)
         return x

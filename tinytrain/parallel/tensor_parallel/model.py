@@ -27,6 +27,7 @@ from tinytrain import distributed as dist
 from tinytrain import functional as F
 from tinytrain.backend import xp
 from tinytrain.nn.module import ModuleList
+from tinytrain.nn.transformer import sequence_positions
 from tinytrain.parallel.tensor_parallel.cross_entropy import (
     vocab_parallel_cross_entropy,
 )
@@ -65,20 +66,21 @@ class TensorParallelGPT(Parallel):
         self.head = None  # the output head is the (vocab-parallel) token embedding, tied
         self.p, self.dropout_site = config.dropout, "drop"
 
-    def hidden(self, ids):
-        """The last block's output: (B, T, C), or my sequence shard under SP."""
-        x = self.embed(ids)
+    def hidden(self, ids, positions=None):
+        """The last block's output: (B, T, C), or my sequence shard under SP; ``positions``: see ``embed``."""
+        x = self.embed(ids, positions)
         for block in self.blocks:
             x = block(x)
         return x
 
-    def embed(self, ids):
-        """Token plus position embeddings, then dropout: (B, T, C), or my sequence shard under SP."""
+    def embed(self, ids, positions=None):
+        """Token plus position embeddings, then dropout: (B, T, C), or my sequence shard under SP.
+        ``positions``: the global sequence positions of ``ids``' columns (context parallel)."""
         ids = xp.asarray(ids)
         T = ids.shape[1]
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
-        x = self.wte(ids) + F.embedding(xp.arange(T), self.wpe)
+        x = self.wte(ids) + F.embedding(sequence_positions(T, positions, self.config.block_size), self.wpe)
         if self.sequence_parallel:
             # Megatron fuses the embedding's all-reduce and this split into one reduce-scatter;
             # we keep them apart so the position embedding is added to whole sequences, as serial.
@@ -94,8 +96,8 @@ class TensorParallelGPT(Parallel):
     def forward(self, ids):
         return self.logits(self.hidden(ids))
 
-    def loss(self, ids, targets, denominator=None):
-        return self.head_loss(self.hidden(ids), targets, denominator)
+    def loss(self, ids, targets, denominator=None, positions=None):
+        return self.head_loss(self.hidden(ids, positions), targets, denominator)
 
     def head_loss(self, x, targets, denominator=None):
         """The loss from the last block's output ``x`` (a pipeline's last stage starts here)."""
