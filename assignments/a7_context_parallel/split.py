@@ -1,0 +1,86 @@
+# Assignment 7: Context parallel (handout: assignments/a7_context_parallel.md).
+# Generated from tinytrain/parallel/context_parallel/split.py by `python -m grader stubs`. Replace each
+# `raise NotImplementedError("TODO ...")` with your code; grade it with `python -m grader`.
+
+"""Which sequence positions each rank of the context-parallel group holds: contiguous or zigzag.
+
+Causal attention is triangular: a query at position i reads keys 0..i, so late positions cost
+more than early ones. Cut the sequence into *chunks*; a query chunk reads a key chunk only if the
+key chunk is not later (a chunk later than the query chunk is *skipped*; the same chunk is the
+diagonal, computed with the causal mask).
+
+contiguous: N chunks of T/N, rank r holds chunk r. Rank r computes r + 1 blocks of (T/N)²
+products, rank N−1 N times as many as rank 0: the ring waits for the slowest.
+
+zigzag: 2N chunks of T/(2N), rank r holds chunks r and 2N−1−r (one early, one late). Every rank
+computes 2N + 1 blocks of (T/(2N))² products: balanced. N = 4, T = 16 (two positions a chunk)::
+
+    chunk     0  1  2  3  4  5  6  7
+    rank      0  1  2  3  3  2  1  0
+    rank 0: positions 0 1 14 15      rank 1: 2 3 12 13      rank 2: 4 5 10 11     rank 3: 6 7 8 9
+
+Every rank keeps its positions sorted (its early chunk, then its late one): ``positions(T, r, N,
+split)`` says which tokens of the batch a rank takes (``ids[:, positions]``).
+"""
+
+from __future__ import annotations
+
+import numpy
+
+SPLITS = ("zigzag", "contiguous")
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not a context-parallel split; use one of {SPLITS}")
+
+
+def n_chunks(n: int, split: str) -> int:
+    """How many chunks the sequence is cut into: 2N for zigzag, N for contiguous."""
+    check_split(split)
+    return 2 * n if split == "zigzag" else n
+
+
+def chunk_size(T: int, n: int, split: str) -> int:
+    """T / (number of chunks), or a ValueError that says what to change."""
+    chunks = n_chunks(n, split)
+    if T % chunks:
+        raise ValueError(
+            f"sequence length {T} does not cut into {chunks} equal chunks ({split} split over a "
+            f"context-parallel group of {n} ranks needs a multiple of {chunks}); choose a sequence "
+            f"length (block_size) divisible by {chunks}, or another CP size"
+        )
+    return T // chunks
+
+
+def chunk_ids(rank: int, n: int, split: str) -> list[int]:
+    """The chunks rank ``rank`` holds, in the order it holds them (ascending)."""
+    check_split(split)
+    if split == "contiguous":
+        return [rank]
+    raise NotImplementedError("TODO 7.4: Zigzag: one early chunk and its mirror image from the end, [rank, 2n − 1 − rank].")
+
+
+def positions(T: int, rank: int, n: int, split: str) -> numpy.ndarray:
+    """The global sequence positions rank ``rank`` of ``n`` holds (sorted int64 array of T/n)."""
+    c = chunk_size(T, n, split)
+    if split == "contiguous":
+        return numpy.arange(rank * c, (rank + 1) * c)
+    raise NotImplementedError("TODO 7.4: Zigzag: the positions of each of chunk_ids(rank, n, split): chunk i is [i·c, (i+1)·c); concatenate them.")
+
+
+def block_pairs(rank: int, src: int, n: int, split: str) -> list[tuple[int, int, bool]]:
+    """The blocks rank ``rank``'s queries compute against the keys rank ``src`` holds.
+
+    ``(i, j, diagonal)``: my i-th chunk of queries with the j-th chunk of ``src``'s keys; pairs
+    where the key chunk comes after the query chunk are skipped (causal: all masked), and the
+    diagonal (the same chunk) takes the causal mask.
+    """
+    mine, theirs = chunk_ids(rank, n, split), chunk_ids(src, n, split)
+    return [(i, j, a == b) for i, a in enumerate(mine) for j, b in enumerate(theirs) if b <= a]
+
+
+def attention_work(T: int, n: int, split: str) -> list[int]:
+    """q·k products each rank computes for one (batch row, head) under the causal skips."""
+    c = chunk_size(T, n, split)
+    return [sum(c * c for src in range(n) for _ in block_pairs(r, src, n, split)) for r in range(n)]
