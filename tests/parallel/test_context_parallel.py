@@ -177,6 +177,11 @@ def test_gpt_loss_and_every_gradient_match_serial_after_sgd_steps(n, algo, split
     serial, model = tiny_gpt(), tiny_gpt()
     ctx = cp.apply_context_parallel(model, dist.world(), algo, split)
     assert (ctx.group, ctx.algo, ctx.split) == (dist.world(), algo, split)
+    with ctx.serial():  # rank-local, whole sequences: the serial model's numbers, no talk
+        with dist.comm_stats() as quiet:
+            np.testing.assert_allclose(model.loss(*batch(9)).item(), serial.loss(*batch(9)).item(), rtol=1e-6)
+        assert quiet.sent() == 0 and all(m.attention_fn is None for m in ctx.modules)
+    assert all(m.attention_fn == ctx.attention for m in ctx.modules) and len(ctx.modules) == 2
     opt_s, opt_p = SGD(serial.parameters(), lr=0.5, momentum=0.9), SGD(model.parameters(), lr=0.5, momentum=0.9)
     for step in range(3):
         opt_s.zero_grad(), opt_p.zero_grad()

@@ -17,6 +17,7 @@ Composes with tensor parallel: a ``TensorParallelGPT``'s attention runs CP on it
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy
@@ -38,6 +39,19 @@ class ContextParallel:
     group: object
     algo: str = "ring"
     split: str = "zigzag"
+    modules: tuple = ()  # the attention modules whose attention_fn is ours
+
+    @contextlib.contextmanager
+    def serial(self):
+        """Inside: the modules attend over the whole sequence they are given (rank-local evaluation on
+        full sequences, sampling), as the serial model does; CP attention again on leaving."""
+        for m in self.modules:
+            m.attention_fn = None
+        try:
+            yield
+        finally:
+            for m in self.modules:
+                m.attention_fn = self.attention
 
     @property
     def size(self) -> int:
@@ -64,8 +78,8 @@ def apply_context_parallel(model, group, algo: str = "ring", split: str = "zigza
     if algo not in ALGOS:
         raise ValueError(f"algo={algo!r} is not a context-parallel attention; use one of {ALGOS}")
     check_split(split)
-    cp = ContextParallel(group, algo, split)
     attentions = [m for m in model.modules() if isinstance(m, (CausalSelfAttention, ParallelAttention))]
+    cp = ContextParallel(group, algo, split, tuple(attentions))
     if not attentions:
         raise ValueError(f"{type(model).__name__} has no attention module to make context parallel")
     for attn in attentions:
