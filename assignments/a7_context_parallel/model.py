@@ -57,6 +57,18 @@ class ContextParallel:
             for m in self.modules:
                 m.attention_fn = self.attention
 
+    @contextlib.contextmanager
+    def active(self):
+        """Inside: the modules run CP attention; whole-sequence attention again on leaving. A
+        training loop that evaluates the serial model on one rank turns CP on for its steps only."""
+        for m in self.modules:
+            m.attention_fn = self.attention
+        try:
+            yield
+        finally:
+            for m in self.modules:
+                m.attention_fn = None
+
     @property
     def size(self) -> int:
         return dist.get_world_size(self.group)

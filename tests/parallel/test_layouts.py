@@ -113,6 +113,20 @@ def test_two_rank_context_parallel_lies_on_the_serial_curve(tmp_path):
     run_layout(tmp_path, "--cp 2 --cp-algo alltoall --cp-split contiguous", text_data(tmp_path), key="text")
 
 
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("algo", ["ring", "alltoall"])
+def test_context_parallel_trace_reports_the_overlap(tmp_path, capsys, algo):
+    """With --trace the run prints the share of CP message time hidden behind attention: the ring
+    posts each K/V transfer before the block it overlaps; all-to-all waits before attention."""
+    out = parallel_cases.shared_dir(tmp_path)
+    layout = ["--cp", "2", "--cp-algo", algo, "--steps", "1", "--trace", str(out / "t.json")]
+    assert main(["train", *TINY, *text_data(tmp_path), *layout, "--out", str(out / "r")]) == 0
+    if dist.get_rank() == 0:
+        line = next(x for x in capsys.readouterr().err.splitlines() if "overlapped attention compute" in x)
+        share = int(line.split("): ")[1].split("%")[0]) / 100
+        assert (share > 0) if algo == "ring" else (share == 0), line
+
+
 @pytest.mark.world_size(8)
 def test_every_strategy_at_once_lies_on_the_serial_curve(tmp_path):
     """Needs `mpirun -n 8` (the suite's 4 ranks skip it): DP x PP x TP with SP and ZeRO-1."""

@@ -75,8 +75,18 @@ def straight_serial(tmp_path):
         ("--pp 2 --dp 2 --zero 1", "--tp 4 --sp"),
         ("--dp 4 --zero 3", "--pp 2 --tp 2"),
         ("", "--dp 4 --zero 2"),
+        ("--dp 2 --cp 2", "--cp 4 --cp-algo alltoall"),
+        ("--cp 2 --tp 2", ""),
     ],
-    ids=["dp2tp2-to-pp4", "dp2tp2sp-to-serial", "pp2dp2zero1-to-tp4sp", "zero3-to-pp2tp2", "serial-to-zero2"],
+    ids=[
+        "dp2tp2-to-pp4",
+        "dp2tp2sp-to-serial",
+        "pp2dp2zero1-to-tp4sp",
+        "zero3-to-pp2tp2",
+        "serial-to-zero2",
+        "dp2cp2-to-cp4alltoall",
+        "cp2tp2-to-serial",
+    ],
 )
 def test_resume_under_another_layout_stays_on_the_serial_curve(tmp_path, monkeypatch, first, then):
     out = parallel_cases.shared_dir(tmp_path) / "elastic"

@@ -93,6 +93,8 @@ class ParallelModel:
 
         context = apply_context_parallel(part, self.cp_group, algo=self.plan.cp_algo, split=self.plan.cp_split)
         context.positions(self.model.config.block_size)  # a sequence that does not split fails here, not mid-step
+        for m in context.modules:  # CP attention only inside forward_backward (``_my_positions``): rank 0
+            m.attention_fn = None  # evaluates and samples the serial model on whole sequences alone
         return context
 
     # --- 2. pipeline ---------------------------------------------------------------------------
@@ -118,7 +120,7 @@ class ParallelModel:
             target = self.stage.parameters() if self.stage is not None else self.part
             zero = Zero(target, None, stage=plan.zero, group=group)
             return (zero if self.stage is None else None), zero
-        if plan.dp > 1 and self.stage is None:
+        if plan.dp * plan.cp > 1 and self.stage is None:  # replicas and context shards average
             from tinytrain.parallel.data_parallel import BucketedDDP
 
             return BucketedDDP(self.part, bucket_mb=plan.bucket_mb, group=group, poll=plan.progress == "poll"), None
@@ -168,7 +170,7 @@ class ParallelModel:
             yield None
             return
         positions = self.context.positions(seq_len)
-        with _random.sequence_positions(positions, seq_len):
+        with _random.sequence_positions(positions, seq_len), self.context.active():
             yield positions
 
     def _loss(self, x, y, n_targets, positions=None):

@@ -93,6 +93,7 @@ def run(args) -> int:
     if args.trace or args.plot:
         from tinytrain import trace
 
+        trace.clear()  # this run's spans only (an in-process caller may have traced before)
         trace.enable()
     out = Path(args.out)
     ckpt = out / "ckpt"

@@ -1,4 +1,5 @@
-"""What ``tinytrain train --pp ... --plot`` draws from the run's trace."""
+"""What ``tinytrain train`` shows from the run's trace: the pipeline (``--pp ... --plot``), and how
+much of context parallel's ring traffic hid behind attention (``--cp ... --trace``)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,19 @@ def plot_last_pipeline_step(spans, plan, args, out: Path) -> None:
         f"wrote {out}/pipeline.png and activation_memory.png",
         file=sys.stderr,
     )
+
+
+def print_context_parallel_overlap(spans, plan) -> float:
+    """Share of the CP group's message time spent while the same rank computed attention blocks."""
+    from tinytrain.viz import overlap_share
+
+    def on_cp(s):
+        return s["cat"] in ("comm", "comm.step") and s["args"].get("group") == "cp"
+
+    share = overlap_share(spans, is_compute=lambda s: s["name"] == "ring attention", is_comm=on_cp)
+    print(
+        f"context parallel ({plan.cp_algo}, {plan.cp_split}): {share:.0%} of the CP group's message time "
+        "overlapped attention compute (from the trace)",
+        file=sys.stderr,
+    )
+    return share

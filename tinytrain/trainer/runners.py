@@ -134,6 +134,10 @@ class MeshRunner:
                 from tinytrain.trainer.plots import plot_last_pipeline_step
 
                 plot_last_pipeline_step(spans, self.plan, args, out)
+            if self.is_main and self.plan.cp > 1:
+                from tinytrain.trainer.plots import print_context_parallel_overlap
+
+                print_context_parallel_overlap(spans, self.plan)
         if self.last_memory is not None:
             self.print_memory()
 
