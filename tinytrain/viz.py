@@ -8,6 +8,7 @@ from __future__ import annotations
 # No backend is forced: on a machine without a screen matplotlib falls back to Agg (files only),
 # and in a notebook the inline backend shows the figures.
 import matplotlib.pyplot as plt
+import numpy
 
 
 def plot_loss_curve(metrics: dict, path, title: str | None = None) -> None:
@@ -24,6 +25,47 @@ def plot_loss_curve(metrics: dict, path, title: str | None = None) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(title or "tinytrain loss")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_expert_load(metrics: dict, path, experts_per_rank: int | None = None) -> None:
+    """Mixture of experts from ``metrics.json``: the share of assignments each expert took at each
+    step (a heatmap: even load is one flat colour), the auxiliary loss and the dropped share; with
+    ``experts_per_rank`` (expert parallel), also the tokens each rank's experts received."""
+    steps = [s for s in metrics["steps"] if "moe" in s]
+    if not steps:
+        raise ValueError("metrics has no 'moe' records: train with --experts")
+    load = [numpy.asarray(s["moe"]["load"], dtype=float) for s in steps]
+    share = numpy.stack([row / max(row.sum(), 1.0) for row in load], axis=1)  # (experts, steps)
+    panels = 3 if experts_per_rank else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.4), dpi=120)
+    image = axes[0].imshow(
+        share,
+        aspect="auto",
+        cmap="viridis",
+        origin="lower",
+        extent=(steps[0]["step"] - 0.5, steps[-1]["step"] + 0.5, -0.5, share.shape[0] - 0.5),
+    )
+    fig.colorbar(image, ax=axes[0], label="share of assignments")
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("expert")
+    axes[0].set_title("expert load")
+    xs = [s["step"] for s in steps]
+    axes[1].plot(xs, [s["moe"]["aux"] for s in steps], label="aux loss")
+    axes[1].plot(xs, [s["moe"]["dropped"] for s in steps], label="dropped share")
+    axes[1].set_xlabel("step")
+    axes[1].legend()
+    axes[1].set_title("balance")
+    if experts_per_rank:
+        per_rank = share.reshape(-1, experts_per_rank, share.shape[1]).sum(axis=1)
+        for r, row in enumerate(per_rank):
+            axes[2].plot(xs, row, label=f"rank {r}")
+        axes[2].set_xlabel("step")
+        axes[2].set_ylabel("share of tokens received")
+        axes[2].legend()
+        axes[2].set_title("tokens per expert-parallel rank")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

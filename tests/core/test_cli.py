@@ -342,21 +342,3 @@ def test_the_pipeline_plot_draws_one_row_per_stage_under_tp_and_dp(tmp_path, mon
     measured = drawn["panels"][1][1]
     assert sorted({e[0] for e in measured}) == [0, 1]
     assert sorted(e[4] for e in measured if e[0] == 1) == [0.002, 0.012]  # world rank 2 starts at 2, 12 us
-
-
-def test_overlap_share_counts_communication_time_covered_by_compute():
-    from tinytrain.viz import overlap_share
-
-    def span(rank, cat, start, end):
-        return {"rank": rank, "cat": cat, "name": cat, "start": start, "end": end, "args": {}}
-
-    spans = [
-        span(0, "comm.step", 0, 10),
-        span(0, "compute", 5, 20),  # 5 of 10 hidden
-        span(1, "comm.step", 0, 4),
-        span(1, "comm.step", 2, 6),
-        span(1, "compute", 0, 2),  # union 0-6: 2 hidden
-    ]
-    assert overlap_share(spans, lambda s: s["cat"] == "compute") == pytest.approx((5 + 2) / (10 + 6))
-    with pytest.raises(ValueError, match="no communication spans"):
-        overlap_share([span(0, "compute", 0, 1)], lambda s: True)
