@@ -51,6 +51,7 @@ def plot_expert_load(metrics: dict, path, experts_per_rank: int | None = None) -
     fig.colorbar(image, ax=axes[0], label="share of assignments")
     axes[0].set_xlabel("step")
     axes[0].set_ylabel("expert")
+    axes[0].set_yticks(range(share.shape[0]))
     axes[0].set_title("expert load")
     xs = [s["step"] for s in steps]
     axes[1].plot(xs, [s["moe"]["aux"] for s in steps], label="aux loss")
