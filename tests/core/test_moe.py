@@ -1,4 +1,6 @@
-"""Mixture of experts: routing against a brute-force per-token loop, capacity, the aux loss."""
+"""Mixture of experts against a NumPy reference of Switch (k = 1) and GShard (k = 2) routing:
+outputs, the router's gradient (finite differences of the reference), capacity in GShard priority,
+the load-balancing and z losses, and the stats record."""
 
 from __future__ import annotations
 
@@ -28,29 +30,39 @@ def np_expert(mlp, x):
     return h @ host(mlp.fc_2.weight).astype(numpy.float64) + host(mlp.fc_2.bias)
 
 
-def brute_force(moe, x, capacity=None):
-    """y[t] = Σ_k w_k · expert_k(x[t]), one token at a time; assignments over an expert's capacity
-    (first come, first served in token order) contribute nothing. Returns (y, counts, probs)."""
+def reference(moe, x, capacity=None, gate=None, z_loss=0.0):
+    """NumPy, one token at a time. Switch (k = 1): weight = the raw top probability. GShard (k ≥ 2):
+    top-k probabilities renormalized; capacity queues filled with every token's first choice (token
+    order), then every second choice. Returns (y, processed counts, probs, aux loss)."""
     x = x.astype(numpy.float64)
-    logits = x @ host(moe.gate.weight).astype(numpy.float64)
+    gate = host(moe.gate.weight).astype(numpy.float64) if gate is None else gate
+    logits = x @ gate
     probs = numpy.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
+    n, E, k = x.shape[0], moe.n_experts, moe.top_k
+    chosen = [sorted(range(E), key=lambda e: (-probs[t, e], e))[:k] for t in range(n)]
+    kept = numpy.zeros((n, k), dtype=bool)
+    counts = numpy.zeros(E, dtype=int)
+    for s in range(k):  # GShard priority: all first choices before any second choice
+        for t in range(n):
+            e = chosen[t][s]
+            if capacity is None or counts[e] < capacity:
+                counts[e] += 1
+                kept[t, s] = True
     y = numpy.zeros_like(x)
-    counts = numpy.zeros(moe.n_experts, dtype=int)
-    for t in range(x.shape[0]):
-        # top-k, highest probability first, ties to the lower expert id
-        chosen = sorted(range(moe.n_experts), key=lambda e: (-probs[t, e], e))[: moe.top_k]
-        total = sum(probs[t, e] for e in chosen)
-        for e in chosen:
-            if capacity is not None and counts[e] >= capacity:
-                continue
-            counts[e] += 1
-            y[t] += probs[t, e] / total * np_expert(moe.experts[e], x[t])
-    return y, counts, probs
+    for t in range(n):
+        total = sum(probs[t, e] for e in chosen[t]) if k > 1 else 1.0
+        for s, e in enumerate(chosen[t]):
+            if kept[t, s]:
+                y[t] += probs[t, e] / total * np_expert(moe.experts[e], x[t])
+    share = numpy.bincount(numpy.array(chosen).reshape(-1), minlength=E) / (n * k)
+    aux = E * (share * probs.mean(0)).sum()
+    lse = numpy.log(numpy.exp(logits).sum(-1))
+    return y, counts, probs, aux + z_loss * (lse**2).mean()
 
 
-def random_moe(rng, C=8, E=4, k=2, capacity_factor=0.0):
-    moe = MoE(C, 2 * C, E, top_k=k, capacity_factor=capacity_factor, rng=rng)
+def random_moe(rng, C=8, E=4, k=2, capacity_factor=0.0, z_loss=0.0):
+    moe = MoE(C, 2 * C, E, top_k=k, capacity_factor=capacity_factor, rng=rng, z_loss=z_loss)
     # larger gate and bias values than the init so routing and biases really matter
     moe.gate.weight.data[...] = xp.asarray(rng.standard_normal(moe.gate.weight.shape).astype(numpy.float32))
     for expert in moe.experts:
@@ -61,16 +73,58 @@ def random_moe(rng, C=8, E=4, k=2, capacity_factor=0.0):
 
 
 @pytest.mark.parametrize("E,k", [(4, 1), (4, 2), (3, 3), (5, 2)])
-def test_moe_matches_per_token_loop(E, k):
+def test_moe_matches_the_reference(E, k):
     rng = numpy.random.default_rng()
     moe = random_moe(rng, E=E, k=k)
     x = rng.standard_normal((3, 7, 8)).astype(numpy.float32)
     y = moe(Tensor(xp.asarray(x)))
     assert y.shape == x.shape
-    expected, counts, _ = brute_force(moe, x.reshape(-1, 8))
+    expected, counts, _, aux = reference(moe, x.reshape(-1, 8))
     assert_close(y, expected.reshape(x.shape), atol=1e-5, rtol=1e-4, what=f"MoE E={E} k={k}")
     numpy.testing.assert_array_equal(moe.last_counts, counts)
     assert moe.last_counts.sum() == 21 * k
+    assert moe.stats["load"].sum() == 21 * k and moe.stats["dropped"] == 0.0
+    assert moe.stats["aux"] == pytest.approx(aux, rel=1e-5)
+
+
+def router_gradient_case(k, capacity_factor, seed=3):
+    """The gate weight's gradient of sum(y · up): autograd against central differences of the reference."""
+    rng = numpy.random.default_rng(seed)
+    moe = random_moe(rng, C=6, E=4, k=k, capacity_factor=capacity_factor)
+    for p in moe.parameters():
+        p.data = p.data.astype(xp.float64)
+    x, up = rng.standard_normal((10, 6)), rng.standard_normal((10, 6))
+    cap = moe.capacity(10)
+    (moe(Tensor(xp.asarray(x))) * xp.asarray(up)).sum().backward()
+    got = host(moe.gate.weight.grad)
+    gate = host(moe.gate.weight).copy()
+    want = numpy.zeros_like(gate)
+    eps = 1e-6
+    for i in numpy.ndindex(gate.shape):  # routing does not change within eps (no near ties here)
+        hi, lo = gate.copy(), gate.copy()
+        hi[i] += eps
+        lo[i] -= eps
+        want[i] = ((reference(moe, x, cap, hi)[0] - reference(moe, x, cap, lo)[0]) * up).sum() / (2 * eps)
+    return got, want
+
+
+@pytest.mark.parametrize("k,cf", [(1, 0.0), (2, 0.0), (1, 1.0), (2, 0.5)])
+def test_router_gradient_matches_the_reference(k, cf):
+    got, want = router_gradient_case(k, cf)
+    numpy.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=f"gate gradient, k={k}, cf={cf}")
+    assert numpy.abs(got).sum() > 1e-3, "the task loss must reach the router"  # k = 1: through p itself
+
+
+def test_top1_scales_by_the_raw_probability():
+    rng = numpy.random.default_rng()
+    moe = random_moe(rng, E=4, k=1)
+    x = rng.standard_normal((6, 8)).astype(numpy.float32)
+    y = host(moe(Tensor(xp.asarray(x))))
+    _, _, probs, _ = reference(moe, x)
+    top = probs.argmax(-1)
+    for t in range(6):
+        want = probs[t, top[t]] * np_expert(moe.experts[int(top[t])], x[t].astype(numpy.float64))
+        numpy.testing.assert_allclose(y[t], want, rtol=1e-4, atol=1e-5)
 
 
 def test_route_groups_assignments_by_expert():
@@ -85,6 +139,19 @@ def test_route_groups_assignments_by_expert():
         assert list(experts[t]) == list(numpy.argsort(-probs[t], kind="stable")[:2])
 
 
+def test_capacity_fills_first_choices_before_second_choices():
+    # token 0's second choice and token 1's first choice are both expert 1, capacity 1: in token order
+    # token 0 would take the place; GShard gives it to token 1's first choice.
+    probs = numpy.array([[0.6, 0.3, 0.1], [0.2, 0.7, 0.1], [0.1, 0.2, 0.7]])
+    experts, order, counts, kept = route(probs, 2, capacity=1)
+    assert experts.tolist() == [[0, 1], [1, 0], [2, 1]]
+    assert kept.reshape(3, 2).tolist() == [[True, False], [True, False], [True, False]]
+    assert counts.tolist() == [1, 1, 1]
+    _, _, counts2, kept2 = route(probs, 2, capacity=2)
+    assert kept2.reshape(3, 2).tolist() == [[True, True], [True, True], [True, False]]
+    assert counts2.tolist() == [2, 2, 1]
+
+
 def test_capacity_drops_tokens_over_the_limit():
     rng = numpy.random.default_rng()
     C, E = 8, 4
@@ -97,29 +164,27 @@ def test_capacity_drops_tokens_over_the_limit():
     moe.gate.weight.data[...] = 0.0
     moe.gate.weight.data[0, :] = xp.asarray(numpy.array([4.0, 0, 0, 0], dtype=numpy.float32))
     y = host(moe(Tensor(xp.asarray(x))))
-    expected, counts, _ = brute_force(moe, x, capacity=3)
-    assert counts[0] == 3  # the brute force also saw expert 0 overflow
+    expected, counts, _, _ = reference(moe, x, capacity=3)
+    assert counts[0] == 3
     numpy.testing.assert_array_equal(moe.last_counts, counts)
-    assert (moe.last_counts <= 3).all()
     assert_close(y, expected, atol=1e-5, what="MoE with capacity")
-    # tokens 3.. lost their only assignment: exactly zero output
-    assert numpy.all(y[3:] == 0)
+    assert numpy.all(y[3:] == 0)  # tokens 3.. lost their only assignment: exactly zero output
     assert numpy.abs(y[:3]).sum() > 0
+    assert moe.stats["dropped"] == pytest.approx(9 / 12) and moe.stats["load"].tolist() == [12, 0, 0, 0]
 
 
-def test_capacity_with_top2_against_brute_force():
+@pytest.mark.parametrize("k,cf", [(2, 0.5), (2, 0.75), (1, 0.5)])
+def test_capacity_against_the_reference(k, cf):
     rng = numpy.random.default_rng()
-    moe = random_moe(rng, E=4, k=2, capacity_factor=0.5)
+    moe = random_moe(rng, E=4, k=k, capacity_factor=cf)
     x = rng.standard_normal((16, 8)).astype(numpy.float32)
     cap = moe.capacity(16)
-    assert cap == math.ceil(0.5 * 16 * 2 / 4)
+    assert cap == math.ceil(cf * 16 * k / 4)
     y = moe(Tensor(xp.asarray(x)))
-    expected, counts, _ = brute_force(moe, x, capacity=cap)
+    expected, counts, _, _ = reference(moe, x, capacity=cap)
     numpy.testing.assert_array_equal(moe.last_counts, counts)
-    assert_close(y, expected, atol=1e-5, what="MoE top-2 capacity")
-    # the gradient still reaches the gate and the experts that ran
-    y.sum().backward()
-    assert numpy.abs(host(moe.gate.weight.grad)).sum() > 0
+    assert_close(y, expected, atol=1e-5, what=f"MoE top-{k} capacity")
+    assert moe.stats["dropped"] == pytest.approx(1 - counts.sum() / (16 * k))
 
 
 def test_aux_loss_is_one_under_uniform_gate_and_differentiable():
@@ -135,14 +200,13 @@ def test_aux_loss_is_one_under_uniform_gate_and_differentiable():
     assert all(p.grad is None for e in moe.experts for p in e.parameters())  # aux touches the gate only
 
 
-def test_aux_loss_formula_and_imbalance():
+@pytest.mark.parametrize("z", [0.0, 0.3])
+def test_aux_loss_formula_z_loss_and_imbalance(z):
     rng = numpy.random.default_rng()
-    moe = random_moe(rng, E=4, k=2)
+    moe = random_moe(rng, E=4, k=2, z_loss=z)
     x = rng.standard_normal((20, 8)).astype(numpy.float32)
     moe(Tensor(xp.asarray(x)))
-    _, counts, probs = brute_force(moe, x)
-    share = counts / (20 * 2)
-    expected = 4 * (share * probs.mean(0)).sum()
+    _, _, _, expected = reference(moe, x, z_loss=z)
     assert moe.aux_loss.item() == pytest.approx(expected, rel=1e-5)
     # routing everything to one expert with high probability costs far more than uniform
     x[:, 0] = 5.0
@@ -152,13 +216,42 @@ def test_aux_loss_formula_and_imbalance():
     assert moe.aux_loss.item() > 1.5
 
 
-def test_moe_gradient_with_respect_to_input():
-    rng = numpy.random.default_rng()
-    moe = random_moe(rng, C=4, E=3, k=2)
+def test_z_loss_gradient():
+    rng = numpy.random.default_rng(5)
+    moe = random_moe(rng, C=4, E=3, k=2, z_loss=0.5)
     for p in moe.parameters():
         p.data = p.data.astype(xp.float64)
-    x = Tensor(xp.asarray(rng.standard_normal((5, 4))), requires_grad=True)
-    gradcheck(lambda t: moe(t), [x], what="MoE wrt input")
+    x = rng.standard_normal((6, 4))
+    moe(Tensor(xp.asarray(x)))
+    moe.aux_loss.backward()
+    got, gate, eps = host(moe.gate.weight.grad), host(moe.gate.weight).copy(), 1e-6
+    for i in numpy.ndindex(gate.shape):
+        hi, lo = gate.copy(), gate.copy()
+        hi[i] += eps
+        lo[i] -= eps
+        # f (the counts) is not differentiable: hold it at the unperturbed routing
+        _, _, p_hi, _ = reference(moe, x, gate=hi)
+        _, _, p_lo, _ = reference(moe, x, gate=lo)
+        share = numpy.bincount(
+            numpy.argsort(-reference(moe, x)[2], axis=1, kind="stable")[:, :2].reshape(-1), minlength=3
+        )
+        share = share / 12
+
+        def loss(g, p):
+            lse = numpy.log(numpy.exp(x @ g).sum(-1))
+            return 3 * (share * p.mean(0)).sum() + 0.5 * (lse**2).mean()
+
+        numpy.testing.assert_allclose(got[i], (loss(hi, p_hi) - loss(lo, p_lo)) / (2 * eps), rtol=1e-5, atol=1e-8)
+
+
+def test_moe_gradient_with_respect_to_input():
+    rng = numpy.random.default_rng()
+    for k in (1, 2):
+        moe = random_moe(rng, C=4, E=3, k=k)
+        for p in moe.parameters():
+            p.data = p.data.astype(xp.float64)
+        x = Tensor(xp.asarray(rng.standard_normal((5, 4))), requires_grad=True)
+        gradcheck(lambda t: moe(t), [x], what=f"MoE k={k} wrt input")
 
 
 def test_moe_rejects_bad_arguments():
@@ -166,10 +259,13 @@ def test_moe_rejects_bad_arguments():
         MoE(8, 16, 2, top_k=3)
     with pytest.raises(ValueError, match="capacity_factor"):
         MoE(8, 16, 2, top_k=1, capacity_factor=-1.0)
+    with pytest.raises(ValueError, match="z_loss"):
+        MoE(8, 16, 2, top_k=1, z_loss=-1.0)
 
 
-def test_gpt_with_experts_every_parameter_gets_a_gradient():
-    cfg = GPTConfig(vocab_size=9, block_size=8, n_layer=2, n_head=2, n_embd=16, n_experts=4, moe_top_k=2)
+@pytest.mark.parametrize("k", [1, 2])
+def test_gpt_with_experts_every_parameter_gets_a_gradient(k):
+    cfg = GPTConfig(vocab_size=9, block_size=8, n_layer=2, n_head=2, n_embd=16, n_experts=4, moe_top_k=k)
     model = GPT(cfg, seed=0)
     rng = numpy.random.default_rng()
     ids = rng.integers(0, 9, size=(4, 8))

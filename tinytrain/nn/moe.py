@@ -1,19 +1,39 @@
 """Mixture of experts on one process: a top-k gate routes each token to k expert MLPs.
 
-    tokens (N, C) ─ gate ─ softmax ─► probs (N, E) ─ top-k ─► for each token: k (expert, weight)
-    sort the N·k assignments by expert  ─►  expert e runs on its contiguous block of tokens
-    un-sort the outputs  ─►  y[token] = Σ_k weight_k · expert_k(token)
+    tokens (N, C) ─ gate ─► logits (N, E) ─ softmax ─► probs ─ top-k ─► each token: k (expert, weight)
+    capacity: keep an assignment if it fits in its expert's queue (first choices first)
+    sort the kept assignments by expert  ─►  expert e runs on its contiguous block of tokens
+    un-sort the outputs  ─►  y[token] = Σ_kept weight_slot · expert_slot(token)
 
-Expert parallel (later) puts different experts on different ranks: the "sort by expert" step
-becomes an all-to-all that sends each block to the rank that holds its expert, and the un-sort
-becomes the all-to-all back. Everything else is this file.
+Expert parallel (``tinytrain.parallel.expert_parallel``) puts different experts on different ranks:
+the "sort by expert" step becomes an all-to-all that sends each block to the rank that holds its
+expert, and the un-sort becomes the all-to-all back. It reuses the functions and methods below,
+so there is one implementation of the routing.
 
-Load balancing, as in the lecture: an auxiliary loss (Switch Transformer)
-``aux = E · Σ_e f_e · P_e`` where f_e is the share of assignments routed to expert e (counted,
-not differentiable) and P_e the mean gate probability of e (differentiable); it is smallest when
-both are uniform. With ``capacity_factor > 0`` each expert takes at most
-``ceil(capacity_factor · N·k / E)`` assignments; the rest are dropped (their token passes through
-the block's residual connection only).
+Conventions (Switch Transformer for k = 1, GShard for k = 2):
+
+- **Top-k.** Each token's k most probable experts, best first (slot 0 = first choice); ties go
+  to the lower expert id.
+- **Weights.** k = 1: the raw top probability p (Switch), so the task loss reaches the router
+  through p (a renormalized p/p = 1 would give it no gradient). k ≥ 2: the top-k probabilities
+  renormalized to sum to 1 (GShard); the router still gets a gradient through their ratios.
+- **Load-balancing loss** ``aux = E · Σ_e f_e · P_e``: f_e is the share of the N·k top-k
+  assignments that chose expert e (counted before capacity drops, not differentiable; for k > 1
+  normalized by N·k so Σ f = 1), P_e the mean gate probability of e (differentiable). It is 1 when
+  routing is uniform and grows towards E as everything goes to one expert.
+- **Router z-loss** (ST-MoE), optional: ``z = mean_t logsumexp(logits_t)²``, added to the aux
+  loss with weight ``z_loss`` (default 0). ``GPT.loss`` multiplies the aux loss by
+  ``MOE_AUX_WEIGHT`` = 0.01, so ``z_loss = 0.1`` is ST-MoE's 1e-3 on the total loss.
+- **Capacity.** With ``capacity_factor > 0`` each expert takes at most
+  ``ceil(capacity_factor · N·k / E)`` assignments. Queues fill in GShard priority: every token's
+  first choice (in token order), then every second choice, ... so a first choice is never
+  dropped to make room for another token's second choice. A dropped assignment contributes
+  nothing (its weight is not renormalized away); a token with all k dropped passes through the
+  block's residual connection only.
+
+After each forward: ``aux_loss`` (the Tensor added to the training loss), ``last_counts``
+(assignments each expert processed) and ``stats`` = ``{"load": assignments that chose each
+expert (NumPy), "dropped": share of the N·k assignments dropped, "aux": aux loss value}``.
 """
 
 from __future__ import annotations
@@ -28,93 +48,173 @@ from tinytrain.backend import to_host, xp
 from tinytrain.nn.layers import MLP, Linear
 from tinytrain.nn.module import Module, ModuleList
 
+# --- routing on host arrays: pure functions the expert-parallel chapter reuses ----------------------
 
-def route(probs_host: numpy.ndarray, top_k: int, capacity: int | None):
-    """Pick each token's top-k experts and group the assignments by expert.
 
-    Returns ``(experts, order, counts, kept)``: ``experts`` (N, k) are each token's chosen
-    experts, best first; ``order`` lists assignment ids (token·k + slot) grouped by
-    expert, lowest expert first and, within an expert, in token order; ``counts[e]`` is how many
-    of them expert e processes; ``kept`` marks assignments that fit in their expert's capacity.
-    """
-    n_tokens, n_experts = probs_host.shape
+def top_k(probs: numpy.ndarray, k: int) -> numpy.ndarray:
+    """Each token's k most probable experts, best first; ties go to the lower expert id. (N, k)."""
     # argsort of the negated probabilities; a stable sort breaks ties by the lower expert id
-    experts = numpy.argsort(-probs_host, axis=1, kind="stable")[:, :top_k]  # (N, k)
-    flat = experts.reshape(-1)
-    order = numpy.argsort(flat, kind="stable")
-    counts = numpy.bincount(flat, minlength=n_experts)
-    kept = numpy.ones(flat.shape[0], dtype=bool)
-    if capacity is not None:
-        rank_in_expert = numpy.empty_like(order)
+    return numpy.argsort(-probs, axis=1, kind="stable")[:, :k]
+
+
+def slot_counts(experts: numpy.ndarray, n_experts: int) -> numpy.ndarray:
+    """(k, E): how many tokens chose expert e as their choice number s."""
+    return numpy.stack([numpy.bincount(experts[:, s], minlength=n_experts) for s in range(experts.shape[1])])
+
+
+def queue_positions(experts: numpy.ndarray, ahead: numpy.ndarray) -> numpy.ndarray:
+    """(N, k): each assignment's place in its expert's queue, GShard priority.
+
+    ``ahead[s, e]`` assignments wait before this batch's choice-s assignments to expert e (on one
+    process: all choices s' < s of every token); among themselves they queue in token order."""
+    n, k = experts.shape
+    pos = numpy.empty((n, k), dtype=numpy.int64)
+    for s in range(k):
+        col = experts[:, s]
+        order = numpy.argsort(col, kind="stable")  # tokens grouped by expert, token order within
+        counts = numpy.bincount(col, minlength=ahead.shape[1])
         starts = numpy.concatenate([[0], numpy.cumsum(counts)[:-1]])
-        rank_in_expert[order] = numpy.arange(order.shape[0]) - numpy.repeat(starts, counts)
-        kept = rank_in_expert < capacity
-        counts = numpy.minimum(counts, capacity)
-        order = order[kept[order]]
-    return experts, order, counts, kept
+        pos[order, s] = numpy.arange(n) - numpy.repeat(starts, counts)
+        pos[:, s] += ahead[s, col]
+    return pos
+
+
+def serial_ahead(counts: numpy.ndarray) -> numpy.ndarray:
+    """``ahead`` for one process: for choice s, the assignments of all choices s' < s (k, E)."""
+    return numpy.cumsum(counts, axis=0) - counts
+
+
+def expert_capacity(capacity_factor: float, n_tokens: int, k: int, n_experts: int) -> int | None:
+    """``ceil(capacity_factor · N·k / E)`` assignments per expert; None (unlimited) for factor 0."""
+    if not capacity_factor:
+        return None
+    return math.ceil(capacity_factor * n_tokens * k / n_experts)
+
+
+def dispatch_order(experts: numpy.ndarray, kept: numpy.ndarray, n_experts: int):
+    """Kept assignment ids (token·k + slot) grouped by expert, lowest expert first, by id within;
+    and how many each expert processes (E,)."""
+    flat, keep = experts.reshape(-1), kept.reshape(-1)
+    ids = numpy.flatnonzero(keep)
+    order = ids[numpy.argsort(flat[ids], kind="stable")]
+    return order, numpy.bincount(flat[ids], minlength=n_experts)
+
+
+def route(probs: numpy.ndarray, k: int, capacity: int | None):
+    """Serial routing: ``(experts (N, k), order, counts (E,), kept (N·k,))`` as in the module docstring."""
+    experts = top_k(probs, k)
+    kept = numpy.ones(experts.shape, dtype=bool)
+    if capacity is not None:
+        kept = queue_positions(experts, serial_ahead(slot_counts(experts, probs.shape[1]))) < capacity
+    order, counts = dispatch_order(experts, kept, probs.shape[1])
+    return experts, order, counts, kept.reshape(-1)
 
 
 class MoE(Module):
     def __init__(
-        self, n_embd, hidden, n_experts, top_k=2, capacity_factor=0.0, dropout=0.0, bias=True, proj_std=0.02, rng=None
+        self,
+        n_embd,
+        hidden,
+        n_experts,
+        top_k=2,
+        capacity_factor=0.0,
+        dropout=0.0,
+        bias=True,
+        proj_std=0.02,
+        rng=None,
+        z_loss=0.0,
     ):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
         if capacity_factor < 0:
             raise ValueError(f"capacity_factor must be >= 0 (0 means unlimited), got {capacity_factor}")
-        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        if z_loss < 0:
+            raise ValueError(f"z_loss must be >= 0 (0 turns the router z-loss off), got {z_loss}")
+        self.n_experts, self.top_k, self.capacity_factor, self.z_loss = n_experts, top_k, capacity_factor, z_loss
         self.gate = Linear(n_embd, n_experts, bias=False, rng=rng)
         self.experts = ModuleList(MLP(n_embd, hidden, dropout, bias, proj_std, rng) for _ in range(n_experts))
         self.aux_loss = None
-        self.last_counts = None  # assignments per expert in the last forward (for plots/tests)
+        self.last_counts = None  # assignments each expert processed in the last forward
+        self.stats = None
+        # Expert parallel sets a function (moe, x) -> y here while it is active; None: this file's forward.
+        self.forward_fn = None
 
     def capacity(self, n_tokens: int) -> int | None:
-        if not self.capacity_factor:
-            return None
-        return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
+        return expert_capacity(self.capacity_factor, n_tokens, self.top_k, self.n_experts)
 
     def forward(self, x):
+        if self.forward_fn is not None:
+            return self.forward_fn(self, x)
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])  # (N, C)
         n = tokens.shape[0]
-        probs = F.softmax(self.gate(tokens), axis=-1)  # (N, E)
+        logits = self.gate(tokens)
+        probs = F.softmax(logits, axis=-1)  # (N, E)
         experts, order, counts, kept = route(to_host(probs.data), self.top_k, self.capacity(n))
-        self.last_counts = counts
-
-        # The weight of each (token, slot) assignment, renormalized over the token's top-k.
-        rows = numpy.repeat(numpy.arange(n), self.top_k)
-        picked = probs[xp.asarray(rows), xp.asarray(experts.reshape(-1))].reshape(n, self.top_k)
-        weights = picked / picked.sum(axis=-1, keepdims=True)
-
-        # Run each expert on its contiguous block of the sorted assignments.
-        sorted_tokens = tokens[xp.asarray(order // self.top_k)]
-        outputs, start = [], 0
-        for e, expert in enumerate(self.experts):
-            if counts[e]:
-                outputs.append(expert(sorted_tokens[start : start + counts[e]]))
-            start += counts[e]
-        dropped = int((~kept).sum())
-        if dropped:  # dropped assignments contribute zeros
-            outputs.append(Tensor(xp.zeros((dropped, shape[-1]), dtype=x.dtype)))
-        combined = F.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
-
-        # Un-sort: position of each assignment id in `combined` (dropped ones point at zeros).
-        position = numpy.empty(n * self.top_k, dtype=numpy.int64)
-        position[order] = numpy.arange(order.shape[0])
-        position[~kept] = order.shape[0] + numpy.arange(dropped)
-        per_slot = combined[xp.asarray(position)].reshape(n, self.top_k, shape[-1])
-        y = (per_slot * weights.reshape(n, self.top_k, 1)).sum(axis=1)
-
-        self.aux_loss = self.load_balancing_loss(probs, experts)
+        weights = self.combine_weights(probs, experts)
+        outputs = self.run_experts(tokens[xp.asarray(order // self.top_k)], counts, range(self.n_experts))
+        y = self.combine(outputs, order, weights)
+        chosen = numpy.bincount(experts.reshape(-1), minlength=self.n_experts)
+        self.aux_loss = self.router_loss(logits, probs, chosen, n)
+        self.record(chosen, counts, 1.0 - kept.mean(), self.aux_loss.item())
         return y.reshape(*shape)
 
-    def load_balancing_loss(self, probs, experts):
-        """E · Σ_e f_e · P_e (Switch Transformer); equals 1 when routing is perfectly uniform."""
+    # --- the pieces, shared with expert parallel -------------------------------------------------------
+
+    def combine_weights(self, probs, experts):
+        """(N, k) weight of each assignment: raw p for k = 1, renormalized over the top-k for k ≥ 2."""
         n = experts.shape[0]
-        share = numpy.bincount(experts.reshape(-1), minlength=self.n_experts) / (n * self.top_k)
-        mean_prob = probs.mean(axis=0)
-        return (mean_prob * xp.asarray(share, dtype=probs.dtype)).sum() * self.n_experts
+        rows = numpy.repeat(numpy.arange(n), self.top_k)
+        picked = probs[xp.asarray(rows), xp.asarray(experts.reshape(-1))].reshape(n, self.top_k)
+        if self.top_k == 1:
+            return picked
+        return picked / picked.sum(axis=-1, keepdims=True)
+
+    def run_experts(self, rows, counts, which):
+        """Expert ``which[i]`` on the next ``counts[i]`` rows of ``rows``; their outputs concatenated."""
+        outputs, start = [], 0
+        for e, count in zip(which, counts):
+            if count:
+                outputs.append(self.experts[e](rows[start : start + int(count)]))
+            start += int(count)
+        if not outputs:
+            return Tensor(xp.zeros((0, rows.shape[-1]), dtype=rows.dtype))
+        return F.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+
+    def combine(self, outputs, order, weights):
+        """y[t] = Σ_slot weight · output of the assignment; ``outputs[i]`` belongs to assignment
+        ``order[i]``; an assignment not in ``order`` (dropped) reads a zero row."""
+        n, k = weights.shape
+        width = outputs.shape[-1]
+        padded = F.concatenate([outputs, Tensor(xp.zeros((1, width), dtype=outputs.dtype))], axis=0)
+        position = numpy.full(n * k, order.shape[0], dtype=numpy.int64)
+        position[order] = numpy.arange(order.shape[0])
+        per_slot = padded[xp.asarray(position)].reshape(n, k, width)
+        return (per_slot * weights.reshape(n, k, 1)).sum(axis=1)
+
+    def router_loss(self, logits, probs, chosen, n_total, scale=1.0):
+        """``scale · (E · Σ_e f_e · P_e + z_loss · Σ_t lse_t² / n_total)`` over these tokens, with
+        f_e = chosen[e] / (n_total·k) and P_e = Σ_t probs[t, e] / n_total. One process: n_total = N,
+        scale 1 (the docstring's formulas); expert parallel passes the whole batch's counts and size."""
+        share = xp.asarray(chosen / (n_total * self.top_k), dtype=probs.dtype)
+        loss = (probs.sum(axis=0) * share).sum() * (self.n_experts / n_total)
+        if self.z_loss:
+            m = xp.asarray(to_host(logits.data).max(axis=-1, keepdims=True))
+            lse = F.log(F.exp(logits - m).sum(axis=-1)) + m.reshape(-1)
+            loss = loss + (lse * lse).sum() * (self.z_loss / n_total)
+        return loss * scale if scale != 1.0 else loss
+
+    def load_balancing_loss(self, probs, experts):
+        """E · Σ_e f_e · P_e (Switch Transformer) alone; equals 1 when routing is perfectly uniform."""
+        chosen = numpy.bincount(experts.reshape(-1), minlength=self.n_experts)
+        share = xp.asarray(chosen / (experts.shape[0] * self.top_k), dtype=probs.dtype)
+        return (probs.mean(axis=0) * share).sum() * self.n_experts
+
+    def record(self, chosen, processed, dropped, aux):
+        self.last_counts = numpy.asarray(processed)
+        self.stats = {"load": numpy.asarray(chosen), "dropped": float(dropped), "aux": float(aux)}
 
     def extra_repr(self):
-        return f"experts={self.n_experts}, top_k={self.top_k}, capacity_factor={self.capacity_factor}"
+        z = f", z_loss={self.z_loss}" if self.z_loss else ""
+        return f"experts={self.n_experts}, top_k={self.top_k}, capacity_factor={self.capacity_factor}{z}"

@@ -37,6 +37,7 @@ class GPTConfig:
     n_experts: int = 0  # > 0: every block's MLP is a mixture of this many experts
     moe_top_k: int = 2
     moe_capacity_factor: float = 0.0  # 0: no capacity limit (no token is dropped)
+    moe_z_loss: float = 0.0  # weight of the router z-loss inside the MoE aux loss (0: off)
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -118,6 +119,7 @@ class Block(Module):
                 config.bias,
                 proj_std,
                 rng,
+                z_loss=config.moe_z_loss,
             )
         else:
             self.mlp = MLP(C, 4 * C, config.dropout, config.bias, proj_std, rng)
