@@ -178,8 +178,8 @@ class MoE(Module):
             if count:
                 outputs.append(self.experts[e](rows[start : start + int(count)]))
             start += int(count)
-        if not outputs:
-            return Tensor(xp.zeros((0, rows.shape[-1]), dtype=rows.dtype))
+        if not outputs:  # no rows: still a piece of the graph (expert parallel's backward must run)
+            return rows[:0]
         return F.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
 
     def combine(self, outputs, order, weights):
