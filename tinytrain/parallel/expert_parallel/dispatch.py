@@ -41,12 +41,14 @@ class AllToAll(Function):
 
     @staticmethod
     def forward(ctx, x, send_sizes=None, recv_sizes=None, group=None):
-        # BEGIN SOLUTION 6.3 "Remember the sizes and the group on ctx; forward: dist.all_to_all(contiguous x, send_sizes, recv_sizes, group=group); backward: the same call with the sizes swapped on the gradient."
+        # BEGIN SOLUTION 6.3 "Remember the sizes and the group on ctx (backward needs them); dist.all_to_all of the contiguous x with send_sizes and recv_sizes over group."
         ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
         return dist.all_to_all(xp.ascontiguousarray(x), send_sizes, recv_sizes, group=group)
+        # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
+        # BEGIN SOLUTION 6.3 "The reverse exchange: all_to_all the gradient with the sizes swapped (what was sent comes home)."
         send_sizes, recv_sizes = ctx.sizes
         return (dist.all_to_all(xp.ascontiguousarray(grad), recv_sizes, send_sizes, group=ctx.group),)
         # END SOLUTION

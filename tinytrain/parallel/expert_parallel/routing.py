@@ -56,8 +56,8 @@ def gate(moe, tokens, ep_group, dp_group=None):
     chosen = gathered[:, :, :E].sum(axis=(0, 1))
     n_total = int(gathered[:, 0, E].sum())
     aux = moe.router_loss(logits, probs, chosen, n_total, scale=float(gathered.shape[0]))
-    # END SOLUTION
     return experts, weights, aux, gathered
+    # END SOLUTION
 
 
 def global_capacity(moe, gathered) -> int | None:

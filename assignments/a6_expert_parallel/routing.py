@@ -1,0 +1,78 @@
+# Assignment 6: Expert parallel (handout: assignments/a6_expert_parallel.md).
+# Generated from tinytrain/parallel/expert_parallel/routing.py by `python -m grader stubs`. Replace each
+# `raise NotImplementedError("TODO ...")` with your code; grade it with `python -m grader`.
+
+"""The gate and the capacity of an expert-parallel MoE layer: the serial rules on the whole batch.
+
+Each rank of the data group (dp × ep ranks) routes only its own rows, but the serial MoE's
+numbers are whole-batch statistics. One all-gather of the per-(choice, expert) counts (k·E + 1
+integers per rank: the +1 is the rank's token count) gives every rank all it needs, exactly:
+
+    rank d·EP + e (its rows: block d·EP + e of the batch, so data-rank order is row order)
+        counts (k, E)  ─ all_gather over ep, then over dp ─►  gathered (D, k, E+1) on every rank
+
+    load balancing   f_e = Σ_ranks chosen_e / (N·k)       (global counts, no gradient)
+                     P_e = Σ_my tokens probs[t, e] / N     (my share: the ranks' shares add up to P)
+                     my aux = D · E · Σ_e f_e · P_e       (× D: the data group *averages* gradients)
+    capacity         queue place of my choice-s assignment to e = Σ_{s' < s} all ranks' choice-s'
+                     assignments to e + the lower ranks' choice-s assignments to e + my earlier
+                     tokens': the serial GShard order of the whole batch, so the same tokens drop
+
+The routing rules themselves (top-k, combine weights, queue positions, the loss formula) are
+``tinytrain.nn.moe``'s: one implementation, used by the serial layer and by this chapter.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+from tinytrain import distributed as dist
+from tinytrain import functional as F
+from tinytrain.backend import to_host
+from tinytrain.nn.moe import expert_capacity, queue_positions, slot_counts, top_k
+
+
+def gather_over(array: numpy.ndarray, ep_group, dp_group=None) -> numpy.ndarray:
+    """Every data rank's ``array``, stacked in data-rank order d·EP + e (dp-major): (D, *shape)."""
+    got = dist.all_gather(numpy.ascontiguousarray(array[None]), group=ep_group)  # (EP, ...)
+    if dp_group is not None:
+        got = dist.all_gather(got, group=dp_group)  # (DP·EP, ...): replica d's block after d - 1's
+    return got
+
+
+def gate(moe, tokens, ep_group, dp_group=None):
+    """The top-k gate over my tokens (N_r, C), with the whole batch's load-balancing loss.
+
+    Returns ``(experts (N_r, k) host, weights (N_r, k) Tensor, aux Tensor, gathered (D, k, E+1))``:
+    ``aux`` is D times my share of the serial aux loss (z-loss included), so the average over the
+    data group is the serial value and gradient; ``gathered`` holds every rank's counts per
+    (choice, expert) and, in the last column, its token count."""
+    E, k = moe.n_experts, moe.top_k
+    raise NotImplementedError("TODO 6.1: logits = moe.gate(tokens), probs = F.softmax; experts = nn.moe's top_k of the host probs; weights = moe.combine_weights. Counts per (choice, expert) plus my token count in column E, gather_over the data group; the global chosen counts and token count go into moe.router_loss(..., scale=D).")
+
+
+def global_capacity(moe, gathered) -> int | None:
+    """The serial layer's capacity for the whole batch (None: unlimited)."""
+    n_total = int(gathered[:, 0, moe.n_experts].sum())
+    return expert_capacity(moe.capacity_factor, n_total, moe.top_k, moe.n_experts)
+
+
+def keep(moe, experts, gathered, me: int) -> numpy.ndarray:
+    """(N_r, k) bool: which of my assignments fit in their expert's capacity, exactly as the serial
+    layer decides on the whole batch (GShard priority: all first choices of every rank, in row
+    order, then all second choices, ...). ``me``: my data rank (d·EP + e)."""
+    capacity = global_capacity(moe, gathered)
+    if capacity is None:
+        return numpy.ones(experts.shape, dtype=bool)
+    raise NotImplementedError("TODO 6.2: counts = gathered[:, :, :E] (ranks, choice, expert). ahead[s, e] = every rank's choices s' < s to e + lower ranks' choice s to e; queue_positions(experts, ahead) < capacity.")
+
+
+def global_load(moe, gathered):
+    """(chosen per expert, kept per expert, dropped share) of the whole batch, from the counts alone:
+    a queue keeps min(capacity, arrivals)."""
+    E = moe.n_experts
+    chosen = gathered[:, :, :E].sum(axis=(0, 1))
+    capacity = global_capacity(moe, gathered)
+    kept = chosen if capacity is None else numpy.minimum(chosen, capacity)
+    n_total = int(gathered[:, 0, E].sum())
+    return chosen, kept, 1.0 - kept.sum() / max(n_total * moe.top_k, 1)
