@@ -127,6 +127,39 @@ def test_context_parallel_trace_reports_the_overlap(tmp_path, capsys, algo):
         assert (share > 0) if algo == "ring" else (share == 0), line
 
 
+MOE = ["--experts", "4", "--dropout", "0"]  # expert dropout masks follow the layout's token order: refused
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize(
+    "layout, routing",
+    [
+        ("--ep 4", ""),
+        ("--ep 2 --dp 2", ""),
+        ("--dp 4", ""),
+        ("--ep 4", "--topk 1"),
+        ("--ep 4", "--capacity-factor 1.0"),
+    ],
+)
+def test_expert_parallel_layouts_lie_on_the_serial_curve(tmp_path, layout, routing):
+    """Same routing, same drops (GShard queues over the whole batch), same aux loss as one process."""
+    extra = [*MOE, *routing.split()]
+    run_layout(tmp_path, layout, extra, key=f"moe {routing}")
+
+
+@pytest.mark.world_size(2)
+def test_expert_parallel_reports_and_draws_the_expert_load(tmp_path):
+    out = parallel_cases.shared_dir(tmp_path)
+    args = [*TINY, *MOE, "--capacity-factor", "1.0", "--ep", "2", "--out", str(out / "r")]
+    assert main(["train", *[a for a in args if a != "--no-plot"]]) == 0
+    if dist.get_rank() == 0:
+        steps = metrics(out / "r")["steps"]
+        for s in steps:
+            assert len(s["moe"]["load"]) == 4 and 0 <= s["moe"]["dropped"] < 1 and s["moe"]["aux"] > 0
+        assert sum(steps[0]["moe"]["load"]) == 2 * 8 * 8 * 4  # top-2 x batch x tokens x layers
+        assert (out / "r" / "expert_load.png").stat().st_size > 5000
+
+
 @pytest.mark.world_size(8)
 def test_every_strategy_at_once_lies_on_the_serial_curve(tmp_path):
     """Needs `mpirun -n 8` (the suite's 4 ranks skip it): DP x PP x TP with SP and ZeRO-1."""
@@ -192,7 +225,13 @@ def test_pipeline_plot_and_trace_leave_their_files(tmp_path):
         (["--tp", "2", "--zero", "3"], "use --zero 1 or 2 with --tp"),
         (["--tp", "2", "--heads", "3", "--width", "33"], "number of attention heads = 3"),
         (["--sp"], "add --tp 2 or more"),
-        (["--dp", "2", "--experts", "2"], "--experts trains serially"),
+        (["--ep", "2"], "--ep places experts on ranks: add --experts"),
+        (["--ep", "2", "--experts", "3"], "--experts 3 does not split over --ep 2"),
+        (["--ep", "2", "--experts", "4"], "use --dropout 0 with --experts across ranks"),
+        (
+            ["--dp", "2", "--experts", "2", "--dropout", "0", "--zero", "1"],
+            "--experts composes with --dp and --ep only",
+        ),
         (["--cp", "2", "--pp", "2"], "--cp with --pp is not composed here"),
         (["--cp", "2", "--tp", "2", "--sp"], "--cp and --sp both cut the sequence"),
         (["--cp", "2", "--digits", "3"], "a sequence has 11 tokens: choose --block-size"),

@@ -60,23 +60,28 @@ def assert_same_run(resumed, straight) -> None:
         assert a.scalars[name] == b.scalars[name] == {"step": 6}
 
 
-def straight_serial(tmp_path):
+def straight_serial(tmp_path, model: str = ""):
     out = tmp_path / "straight"
-    train(out, "")
+    train(out, model)
     return out
+
+
+MOE = "--experts 4 --dropout 0 --capacity-factor 1.0"  # experts split over EP ranks, tokens dropped
 
 
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize(
-    "first, then",
+    "first, then, model",
     [
-        ("--dp 2 --tp 2", "--pp 4"),
-        ("--dp 2 --tp 2 --sp", ""),
-        ("--pp 2 --dp 2 --zero 1", "--tp 4 --sp"),
-        ("--dp 4 --zero 3", "--pp 2 --tp 2"),
-        ("", "--dp 4 --zero 2"),
-        ("--dp 2 --cp 2", "--cp 4 --cp-algo alltoall"),
-        ("--cp 2 --tp 2", ""),
+        ("--dp 2 --tp 2", "--pp 4", ""),
+        ("--dp 2 --tp 2 --sp", "", ""),
+        ("--pp 2 --dp 2 --zero 1", "--tp 4 --sp", ""),
+        ("--dp 4 --zero 3", "--pp 2 --tp 2", ""),
+        ("", "--dp 4 --zero 2", ""),
+        ("--dp 2 --cp 2", "--cp 4 --cp-algo alltoall", ""),
+        ("--cp 2 --tp 2", "", ""),
+        ("--dp 2 --ep 2", "", MOE),
+        ("", "--ep 4", MOE),
     ],
     ids=[
         "dp2tp2-to-pp4",
@@ -86,29 +91,29 @@ def straight_serial(tmp_path):
         "serial-to-zero2",
         "dp2cp2-to-cp4alltoall",
         "cp2tp2-to-serial",
+        "dp2ep2-to-serial",
+        "serial-to-ep4",
     ],
 )
-def test_resume_under_another_layout_stays_on_the_serial_curve(tmp_path, monkeypatch, first, then):
+def test_resume_under_another_layout_stays_on_the_serial_curve(tmp_path, monkeypatch, first, then, model):
     out = parallel_cases.shared_dir(tmp_path) / "elastic"
     if not first:  # a serial first run: rank 0 alone writes the checkpoint
         if dist.get_rank() == 0:
             restore = crash_at_step_4(monkeypatch)
             with pytest.raises(KeyboardInterrupt):
-                train(out, first)
+                train(out, f"{first} {model}")
             restore()
         dist.barrier()
     else:
         restore = crash_at_step_4(monkeypatch)
         with pytest.raises(KeyboardInterrupt):
-            train(out, first)
+            train(out, f"{first} {model}")
         restore()
     assert checkpoint.Reader(out / "ckpt").meta["step"] == 3
-    if then:
-        train(out, then, "--resume")
-    elif dist.get_rank() == 0:
-        train(out, then, "--resume")
+    if then or dist.get_rank() == 0:
+        train(out, f"{then} {model}", "--resume")
     if dist.get_rank() == 0:
-        assert_same_run(out, straight_serial(tmp_path))
+        assert_same_run(out, straight_serial(tmp_path, model))
 
 
 @pytest.mark.world_size(2)

@@ -23,7 +23,7 @@ Conventions (Switch Transformer for k = 1, GShard for k = 2):
   routing is uniform and grows towards E as everything goes to one expert.
 - **Router z-loss** (ST-MoE), optional: ``z = mean_t logsumexp(logits_t)²``, added to the aux
   loss with weight ``z_loss`` (default 0). ``GPT.loss`` multiplies the aux loss by
-  ``MOE_AUX_WEIGHT`` = 0.01, so ``z_loss = 0.1`` is ST-MoE's 1e-3 on the total loss.
+  ``GPTConfig.moe_aux_weight`` (default 0.01), so ``z_loss = 0.1`` is ST-MoE's 1e-3 on the total loss.
 - **Capacity.** With ``capacity_factor > 0`` each expert takes at most
   ``ceil(capacity_factor · N·k / E)`` assignments. Queues fill in GShard priority: every token's
   first choice (in token order), then every second choice, ... so a first choice is never
@@ -218,3 +218,17 @@ class MoE(Module):
     def extra_repr(self):
         z = f", z_loss={self.z_loss}" if self.z_loss else ""
         return f"experts={self.n_experts}, top_k={self.top_k}, capacity_factor={self.capacity_factor}{z}"
+
+
+def moe_step_stats(model) -> dict:
+    """The last forward's numbers of every MoE layer in ``model``, added up for a training log:
+    ``load`` (assignments that chose each expert, summed over layers), ``dropped`` (mean share
+    dropped by capacity), ``aux`` (the layers' load-balancing losses, summed); {} without MoE."""
+    layers = [m.stats for m in model.modules() if isinstance(m, MoE) and m.stats is not None]
+    if not layers:
+        return {}
+    return {
+        "load": numpy.sum([s["load"] for s in layers], axis=0).tolist(),
+        "dropped": float(numpy.mean([s["dropped"] for s in layers])),
+        "aux": float(sum(s["aux"] for s in layers)),
+    }

@@ -38,6 +38,7 @@ class GPTConfig:
     moe_top_k: int = 2
     moe_capacity_factor: float = 0.0  # 0: no capacity limit (no token is dropped)
     moe_z_loss: float = 0.0  # weight of the router z-loss inside the MoE aux loss (0: off)
+    moe_aux_weight: float = 0.01  # weight of the MoE load-balancing loss in GPT.loss
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -141,9 +142,6 @@ def sequence_positions(T, positions, block_size):
     return positions
 
 
-MOE_AUX_WEIGHT = 0.01  # weight of the MoE load-balancing loss in GPT.loss
-
-
 class GPT(Module):
     """A GPT built from ``config``; ``seed`` fixes every initial weight."""
 
@@ -189,7 +187,7 @@ class GPT(Module):
     def loss(self, ids, targets, denominator=None, positions=None):
         """Training loss: cross-entropy over the counted targets (divided by ``denominator`` when
         given, so that replicas holding parts of a batch add up to the batch's mean), plus the MoE
-        load-balancing loss (weight ``MOE_AUX_WEIGHT``) with experts. ``positions``: see ``embed``."""
+        load-balancing loss (weight ``config.moe_aux_weight``) with experts. ``positions``: see ``embed``."""
         return self.head_loss(self.hidden(ids, positions), targets, denominator)
 
     def hidden(self, ids, positions=None):
@@ -207,7 +205,7 @@ class GPT(Module):
         else:
             loss = F.cross_entropy(self.logits(x), targets, reduction="sum") / denominator
         if self.config.n_experts:
-            loss = loss + MOE_AUX_WEIGHT * self.moe_aux_loss()
+            loss = loss + self.config.moe_aux_weight * self.moe_aux_loss()
         return loss
 
     # --- the pipeline's stage protocol (tinytrain.parallel.pipeline.StageModel) -----------------

@@ -43,6 +43,7 @@ from tinytrain import random as _random
 from tinytrain.backend import xp
 from tinytrain.checkpoint import Placement
 from tinytrain.data import IGNORE
+from tinytrain.nn.moe import moe_step_stats
 from tinytrain.optim import clip_grad_norm_
 from tinytrain.parallel.plan import Plan
 
@@ -54,16 +55,18 @@ class ParallelModel:
         self.model, self.plan = model, plan
         self.shapes = {name: p.shape for name, p in model.named_parameters()}  # before ZeRO-3 frees them
         mesh = plan.mesh()
-        self.dp_rank, self.cp_rank, self.tp_rank = (mesh.coordinate(a) for a in ("dp", "cp", "tp"))
-        self.dp_group, self.pp_group, self.cp_group, self.tp_group = (
-            mesh.get_group(a) for a in ("dp", "pp", "cp", "tp")
+        self.dp_rank, self.ep_rank, self.cp_rank, self.tp_rank = (mesh.coordinate(a) for a in ("dp", "ep", "cp", "tp"))
+        self.dp_group, self.pp_group, self.ep_group, self.cp_group, self.tp_group = (
+            mesh.get_group(a) for a in ("dp", "pp", "ep", "cp", "tp")
         )
-        # Replicas and context shards both hold whole weights and see different tokens: gradients
-        # and the loss average over both (CP is data parallel for the weights).
-        self.data_group = mesh.get_group("dp", "cp") if plan.cp > 1 else self.dp_group
+        # Replicas, expert-parallel ranks (their own rows each) and context shards all hold the dense
+        # weights and see different tokens: dense gradients and the loss average over all of them.
+        data_axes = [a for a in ("dp", "ep", "cp") if mesh.size(a) > 1]
+        self.data_group = mesh.get_group(*data_axes) if data_axes else self.dp_group
         self.placement = {id(p): Placement(name) for name, p in model.named_parameters()}
         self.part = self._shard_tensor_parallel(model)  # 1.
         self.context = self._context_parallel(self.part)  # 1b.
+        self.experts = self._expert_parallel(self.part)  # 1c.
         self.stage = self._split_pipeline(self.part)  # 2.
         self.dp, self.zero = self._wrap_data_parallel()  # 3.
 
@@ -97,6 +100,17 @@ class ParallelModel:
             m.attention_fn = None  # evaluates and samples the serial model on whole sequences alone
         return context
 
+    # --- 1c. expert parallel: each MoE layer's experts split over the EP group, tokens travel to them
+
+    def _expert_parallel(self, part):
+        plan = self.plan
+        if not self.model.config.n_experts or plan.dp * plan.ep == 1:
+            return None
+        from tinytrain.parallel.expert_parallel import apply_expert_parallel
+
+        # also with --dp alone (EP of 1): the load-balancing loss is a whole-batch statistic
+        return apply_expert_parallel(part, self.ep_group, self.dp_group if plan.dp > 1 else None)
+
     # --- 2. pipeline ---------------------------------------------------------------------------
 
     def _split_pipeline(self, part):
@@ -114,6 +128,8 @@ class ParallelModel:
     def _wrap_data_parallel(self):
         """(wrapper the forward runs through or None, the ZeRO object or None)."""
         plan, group = self.plan, self.data_group
+        if self.experts is not None:  # expert parallel syncs its own gradient groups (dense, experts)
+            return None, None
         if plan.zero:
             from tinytrain.parallel.zero import Zero
 
@@ -128,6 +144,8 @@ class ParallelModel:
 
     def parameters(self) -> list:
         """The parameters this rank's optimizer updates (ZeRO: it updates its pieces of them)."""
+        if self.experts is not None:
+            return self.experts.parameters(self.part)  # dense weights and my experts'
         return self.stage.parameters() if self.stage is not None else self.part.parameters()
 
     def named_parameters(self) -> list:
@@ -139,10 +157,10 @@ class ParallelModel:
     def forward_backward(self, x, y) -> float:
         """Forward and backward of the global batch ``(x, y)``; returns its mean loss (every rank)."""
         plan, total = self.plan, x.shape[0]
-        per = total // plan.dp
-        first = self.dp_rank * per
-        # the data group averages: (sum over replicas and context shards) / targets
-        n_targets = int((y != IGNORE).sum()) / (plan.dp * plan.cp)
+        per = total // (plan.dp * plan.ep)  # replicas and expert-parallel ranks take their own rows
+        first = (self.dp_rank * plan.ep + self.ep_rank) * per
+        # the data group averages: (sum over replicas, EP ranks and context shards) / targets
+        n_targets = int((y != IGNORE).sum()) / (plan.dp * plan.ep * plan.cp)
         x, y = x[first : first + per], y[first : first + per]
         if self.stage is not None:
             from tinytrain.parallel.pipeline import train_step
@@ -152,11 +170,15 @@ class ParallelModel:
             value = xp.asarray([loss if loss is not None else 0.0], dtype=xp.float64)
             dist.all_reduce(value, group=self.pp_group)  # the last stage has it
         else:
-            with _random.batch_rows(first, total), self._my_positions(x.shape[1]) as positions:
+            routing = self.experts.active() if self.experts is not None else contextlib.nullcontext()
+            with _random.batch_rows(first, total), self._my_positions(x.shape[1]) as positions, routing:
                 if positions is not None:  # context parallel: my positions of every sequence
                     x, y = x[:, positions], y[:, positions]
                 loss = self._loss(x, y, n_targets, positions)
-                if self.dp is not None:
+                if self.experts is not None:
+                    loss.backward()
+                    self.experts.sync_gradients()  # dense over the data group, experts over DP
+                elif self.dp is not None:
                     self.dp.backward(loss)  # the DP/ZeRO wrapper: backward, then its gradient sync
                 else:
                     loss.backward()
@@ -194,20 +216,26 @@ class ParallelModel:
         that holds different numbers (ZeRO pieces over DP, TP shards over TP, stages over PP); a
         weight replicated over TP, or tied between first and last stage, counts once."""
         tied = {id(p) for p in self.stage.tied} if self.stage is not None and not self.stage.is_first else set()
-        sq = xp.zeros(2, dtype=xp.float64)  # [TP-sharded, TP-replicated]
+        sq = xp.zeros(3, dtype=xp.float64)  # [TP-sharded, replicated, an expert of this EP rank]
         for p, grad in self._local_gradients():
             if grad is not None and id(p) not in tied:
-                sq[0 if self.placement[id(p)].axis is not None else 1] += float((grad.astype(xp.float64) ** 2).sum())
+                sq[self._norm_bucket(p)] += float((grad.astype(xp.float64) ** 2).sum())
         if self.zero is not None:
             dist.all_reduce(sq, group=self.data_group)
         if self.stage is not None:
             dist.all_reduce(sq, group=self.pp_group)
-        sharded = sq[:1].copy()
-        dist.all_reduce(sharded, group=self.tp_group)
-        total = math.sqrt(float(sharded[0] + sq[1]))
+        sharded = sq[::2].copy()
+        dist.all_reduce(sharded[:1], group=self.tp_group)
+        dist.all_reduce(sharded[1:], group=self.ep_group)
+        total = math.sqrt(float(sharded.sum() + sq[1]))
         if self.zero is not None:
             return self.zero.clip_grad_norm_(max_norm, total_norm=total)
         return clip_grad_norm_(self.parameters(), max_norm, total_norm=total)
+
+    def _norm_bucket(self, p) -> int:
+        if self.experts is not None and self.experts.is_expert(p):
+            return 2
+        return 0 if self.placement[id(p)].axis is not None else 1
 
     def _local_gradients(self):
         if self.zero is not None:
@@ -226,6 +254,8 @@ class ParallelModel:
         """Put the current full parameters into the serial ``model`` on every rank."""
         if self.zero is not None and self.zero.stage == 3:
             self.zero.materialize()
+        if self.experts is not None:
+            self.experts.gather_experts()  # each expert from the rank that trains it
         if self.stage is not None:
             from tinytrain.parallel.pipeline import share_parameters
 
@@ -248,11 +278,24 @@ class ParallelModel:
     def _writes(self, placement, p) -> bool:
         """One writer per piece: TP rank 0 for a TP-replicated weight, the data group's rank 0
         (DP and CP) unless ZeRO splits it, the first stage for a weight tied between first and last stage."""
+        if self.experts is not None and self.experts.is_expert(p):
+            return self.experts.owns(p) and self.dp_rank == 0  # its owner, in replica 0
         if placement.axis is None and self.tp_rank != 0:
             return False
-        if self.zero is None and (self.dp_rank, self.cp_rank) != (0, 0):
+        if self.zero is None and (self.dp_rank, self.ep_rank, self.cp_rank) != (0, 0, 0):
             return False
         return not (self.stage is not None and not self.stage.is_first and any(p is t for t in self.stage.tied))
+
+    def step_stats(self) -> dict:
+        """Mixture of experts: this step's whole-batch expert load, dropped share and aux loss."""
+        if self.experts is None:
+            return moe_step_stats(self.model)
+        stats = self.experts.stats()  # per MoE layer, the same on every rank
+        return {
+            "load": stats["load"].sum(axis=0).tolist(),
+            "dropped": float(stats["dropped"].mean()),
+            "aux": float(stats["aux"].sum()),
+        }
 
     def memory(self) -> dict | None:
         """ZeRO's bytes per rank (params, grads, optimizer, gathered_peak), else None."""

@@ -1,7 +1,7 @@
 """The layout of a parallel run: how many ranks each strategy gets (``Plan``) and which layouts
 cannot work (``Plan.check``, one sentence each, before any rank computes).
 
-The mesh has TP innermost, then CP, PP, DP outermost; ``hybrid.parallelize`` applies the plan to a
+The mesh has TP innermost, then CP, EP, PP, DP outermost; ``hybrid.parallelize`` applies the plan to a
 model. This module imports nothing that talks between ranks, so the CLI checks flags without MPI.
 """
 
@@ -27,10 +27,11 @@ class Plan:
     cp: int = 1
     cp_algo: str = "ring"
     cp_split: str = "zigzag"
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return self.dp * self.tp * self.pp * self.cp * self.ep
 
     @property
     def n_microbatches(self) -> int:
@@ -42,7 +43,7 @@ class Plan:
 
     def flags(self) -> str:
         """The command-line flags of this plan, for messages."""
-        sizes = (("dp", self.dp), ("pp", self.pp), ("cp", self.cp), ("tp", self.tp))
+        sizes = (("dp", self.dp), ("pp", self.pp), ("ep", self.ep), ("cp", self.cp), ("tp", self.tp))
         parts = [f"--{k} {v}" for k, v in sizes if v > 1]
         parts += ["--sp"] if self.sp else []
         parts += [f"--zero {self.zero}"] if self.zero else []
@@ -50,7 +51,7 @@ class Plan:
 
     def check(self, world_size: int, config, batch_size: int) -> None:
         """Refuse, before any rank computes, a layout that cannot work: one sentence per reason."""
-        for name in ("dp", "tp", "pp", "cp", "chunks"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.microbatches is not None and self.microbatches < 1:
@@ -86,21 +87,33 @@ class Plan:
                 "--zero 3 with --tp is not composed here (ZeRO-3 gathers whole layers of a serial GPT, "
                 "and the tensor-parallel loss needs the vocab-parallel head); use --zero 1 or 2 with --tp"
             )
-        if config.n_experts and self.world_size > 1:
+        if self.ep > 1 and not config.n_experts:
+            raise ValueError("--ep places experts on ranks: add --experts (a multiple of --ep)")
+        if config.n_experts and self.ep > 1 and config.n_experts % self.ep:
             raise ValueError(
-                "--experts trains serially for now: its load-balancing loss is a whole-batch "
-                "statistic that replicas and stages would each compute on their part"
+                f"--experts {config.n_experts} does not split over --ep {self.ep}: use a multiple of {self.ep}"
+            )
+        if config.n_experts and config.dropout and self.dp * self.ep > 1:
+            raise ValueError(
+                "--dropout inside experts draws its masks over each expert's gathered tokens, whose order "
+                "depends on the layout; use --dropout 0 with --experts across ranks"
+            )
+        if config.n_experts and (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.zero):
+            raise ValueError(
+                "--experts composes with --dp and --ep only: tensor, pipeline and context parallel and ZeRO "
+                "are not composed with the mixture of experts here"
             )
         if self.tp > 1 and not config.tie_weights:
             raise ValueError("--tp shards the plain GPT with tied weights")
         if world_size != self.world_size:
             raise ValueError(
-                f"{self.flags()} needs exactly {self.world_size} ranks (dp x pp x cp x tp): run `mpirun -n "
+                f"{self.flags()} needs exactly {self.world_size} ranks (dp x pp x ep x cp x tp): run `mpirun -n "
                 f"{self.world_size} tinytrain train {self.flags()} ...` (this run has {world_size})"
             )
-        if batch_size % (self.dp * (self.n_microbatches if self.pp > 1 else 1)):
-            per = f"{self.dp} replicas x {self.n_microbatches} micro-batches" if self.pp > 1 else f"{self.dp} replicas"
-            step = self.dp * (self.n_microbatches if self.pp > 1 else 1)
+        shards = self.dp * self.ep  # expert-parallel ranks each take their own rows, as replicas do
+        if batch_size % (shards * (self.n_microbatches if self.pp > 1 else 1)):
+            per = f"{shards} replicas x {self.n_microbatches} micro-batches" if self.pp > 1 else f"{shards} replicas"
+            step = shards * (self.n_microbatches if self.pp > 1 else 1)
             raise ValueError(
                 f"--batch-size {batch_size} (the global batch) does not split into {per}; use a multiple of {step}"
             )
@@ -129,7 +142,7 @@ class Plan:
             )
 
     def mesh(self):
-        """The device mesh {dp, pp, cp, tp} of this plan over the world (TP innermost)."""
+        """The device mesh {dp, pp, ep, cp, tp} of this plan over the world (TP innermost)."""
         from tinytrain import distributed as dist
 
-        return dist.DeviceMesh({"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp})
+        return dist.DeviceMesh({"dp": self.dp, "pp": self.pp, "ep": self.ep, "cp": self.cp, "tp": self.tp})

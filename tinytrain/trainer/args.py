@@ -21,6 +21,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--width", type=int, default=128, help="embedding width (n_embd)")
     model.add_argument("--dropout", type=float, default=0.0)
     model.add_argument("--experts", type=int, default=0, help="> 0: mixture-of-experts MLPs with this many experts")
+    model.add_argument("--topk", type=int, default=None, help="experts per token (default: 2, or 1 with one expert)")
+    model.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=0.0,
+        help="> 0: an expert takes at most capacity-factor x (its fair share) of assignments; the rest are dropped",
+    )
+    model.add_argument("--aux-loss-weight", type=float, default=0.01, help="weight of the load-balancing loss")
     opt = p.add_argument_group("optimization")
     opt.add_argument("--steps", type=int, default=600)
     opt.add_argument("--batch-size", type=int, default=64, help="global batch (sequences per step)")
@@ -67,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (heads, width and vocabulary split)")
     par.add_argument(
         "--sp", action="store_true", help="with --tp: sequence parallel (LayerNorm/dropout on sequence shards)"
+    )
+    par.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel ranks (with --experts: experts split across them)"
     )
     par.add_argument("--cp", type=int, default=1, help="context-parallel ranks (every sequence split across them)")
     par.add_argument(
@@ -116,6 +127,8 @@ def build_model(args, dataset) -> GPT:
         n_embd=args.width,
         dropout=args.dropout,
         n_experts=args.experts,
-        moe_top_k=min(2, args.experts) if args.experts else 2,
+        moe_top_k=args.topk if args.topk is not None else (min(2, args.experts) if args.experts else 2),
+        moe_capacity_factor=args.capacity_factor,
+        moe_aux_weight=args.aux_loss_weight,
     )
     return GPT(config, seed=args.seed)

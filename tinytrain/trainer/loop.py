@@ -137,7 +137,10 @@ def run(args) -> int:
         record = {"step": step, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_per_step / dt}
         if grad_norm is not None:
             record["grad_norm"] = grad_norm
-        extra = ""
+        moe = runner.step_stats()  # with experts: load per expert, dropped share, aux loss
+        if moe:
+            record["moe"] = moe
+        extra = moe_line(moe) if moe else ""
         if step % args.eval_every == 0 or step == args.steps:
             runner.share_model()
             if runner.is_main:
@@ -145,7 +148,9 @@ def run(args) -> int:
                 record.update(val_loss=ev["val_loss"], eval_train_loss=ev["train_loss"])
                 if "val_accuracy" in ev:
                     record["val_accuracy"] = ev["val_accuracy"]
-                extra = f"val {ev['val_loss']:.4f}" + (f" acc {ev['val_accuracy']:.2f}" if "val_accuracy" in ev else "")
+                extra += f" val {ev['val_loss']:.4f}" + (
+                    f" acc {ev['val_accuracy']:.2f}" if "val_accuracy" in ev else ""
+                )
         metrics["steps"].append(record)
         progress.update(step, loss_value, record["tokens_per_s"], extra)
         if step % args.ckpt_every == 0 or step == args.steps:
@@ -171,6 +176,11 @@ def run(args) -> int:
         from tinytrain.viz import plot_loss_curve
 
         plot_loss_curve(metrics, out / "loss.png", title=f"GPT on {dataset.name}")
+        if any("moe" in s for s in metrics["steps"]):
+            from tinytrain.viz import plot_expert_load
+
+            per_rank = args.experts // args.ep if args.ep > 1 else None
+            plot_expert_load(metrics, out / "expert_load.png", experts_per_rank=per_rank)
     if not quiet:
         summary = ", ".join(f"{k} {v:.4f}" for k, v in final.items())
         print(f"done: {summary}; wrote {out}/metrics.json, loss.png, ckpt/", file=sys.stderr)
@@ -209,6 +219,13 @@ def resume(ckpt: Path, runner, model, optimizer, schedule, args) -> tuple[int, l
     schedule.last_step = step
     optimizer.lr = schedule.lr_at(step + 1)
     return step, meta["metrics_steps"]
+
+
+def moe_line(moe: dict) -> str:
+    """The progress line's mixture-of-experts part: aux loss, dropped share, each expert's share."""
+    total = max(sum(moe["load"]), 1)
+    shares = "/".join(f"{100 * n / total:.0f}" for n in moe["load"])
+    return f"aux {moe['aux']:.3f} drop {moe['dropped']:.1%} load% {shares}"
 
 
 def _plain_args(args) -> dict:

@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 
 from tinytrain import checkpoint
 from tinytrain.checkpoint import Placement
+from tinytrain.nn.moe import moe_step_stats
 from tinytrain.optim import clip_grad_norm_
 
 
@@ -35,6 +36,8 @@ class Runner(Protocol):
     def save(self, folder, step: int, optimizer, meta: dict) -> None: ...  # every rank its pieces
 
     def load(self, reader: checkpoint.Reader, optimizer) -> None: ...  # from a checkpoint of any layout
+
+    def step_stats(self) -> dict: ...  # the last step's mixture-of-experts numbers ({} without experts)
 
     def finish(self, args, out: Path) -> None: ...  # traces, plots, memory tables
 
@@ -73,6 +76,9 @@ class SerialRunner:
     def load(self, reader, optimizer) -> None:
         checkpoint.restore(reader, self.named, optimizer)
 
+    def step_stats(self) -> dict:
+        return moe_step_stats(self.model)
+
     def finish(self, args, out: Path) -> None:
         """Nothing to show for a serial run."""
 
@@ -108,6 +114,9 @@ class MeshRunner:
 
     def share_model(self) -> None:
         self.parallel.gather_model()
+
+    def step_stats(self) -> dict:
+        return self.parallel.step_stats()
 
     def save(self, folder, step: int, optimizer, meta: dict) -> None:
         pieces, scalars = self.parallel.checkpoint_pieces(optimizer)
