@@ -46,15 +46,20 @@ def dropout_generator(site: str):
 
 
 @contextlib.contextmanager
+def _setting(key: str, value):
+    """Inside, ``_state[key]`` is ``value``; the outer value comes back on leaving."""
+    previous, _state[key] = _state[key], value
+    try:
+        yield
+    finally:
+        _state[key] = previous
+
+
 def batch_rows(first: int, total: int):
     """Inside, the arrays this rank computes are rows ``first, first+1, ...`` of a batch of ``total``."""
     if not 0 <= first < total:
         raise ValueError(f"batch_rows: first row {first} is outside a batch of {total} rows")
-    previous, _state["rows"] = _state["rows"], (first, total)
-    try:
-        yield
-    finally:
-        _state["rows"] = previous
+    return _setting("rows", (first, total))
 
 
 def current_batch_rows():
@@ -77,18 +82,13 @@ def host_generator():
     return _state["host"]
 
 
-@contextlib.contextmanager
 def sequence_positions(positions, total: int):
     """Inside, the arrays this rank computes hold sequence positions ``positions`` (axis 1, sorted
     integers) of sequences of ``total`` positions."""
     positions = numpy.asarray(positions)
     if positions.size and not (0 <= positions.min() and positions.max() < total):
         raise ValueError(f"sequence_positions: positions outside a sequence of {total}")
-    previous, _state["positions"] = _state["positions"], (positions, total)
-    try:
-        yield
-    finally:
-        _state["positions"] = previous
+    return _setting("positions", (positions, total))
 
 
 def current_sequence_positions():

@@ -26,12 +26,11 @@ Gradients: rank (d, r)'s loss is D × its share of the serial loss, so
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy
 
 from tinytrain import distributed as dist
 from tinytrain.backend import xp
+from tinytrain.nn.module import swapped
 from tinytrain.nn.moe import MoE, dispatch_order
 from assignments.a6_expert_parallel.dispatch import dropless, owned, padded, wire_bytes
 from assignments.a6_expert_parallel.routing import gate, global_capacity, global_load, keep
@@ -96,16 +95,9 @@ class ExpertParallel:
 
     # --- forward --------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
     def active(self):
-        """Inside: the MoE layers route over the EP group; the serial forward again on leaving."""
-        for m in self.moes:
-            m.forward_fn = self.forward
-        try:
-            yield
-        finally:
-            for m in self.moes:
-                m.forward_fn = None
+        """Inside: the MoE layers route over the EP group; their previous forward again on leaving."""
+        return swapped(self.moes, "forward_fn", self.forward)
 
     def forward(self, moe, x):
         """The MoE layer on my rows ``x``, experts on their owners (set as ``moe.forward_fn``)."""

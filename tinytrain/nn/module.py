@@ -7,6 +7,7 @@ strategies rely on that order being the same on every rank.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 
 from tinytrain.autograd import Parameter
@@ -133,3 +134,17 @@ class ModuleList(Module):
 
     def __len__(self):
         return len(self._modules)
+
+
+@contextlib.contextmanager
+def swapped(modules, attr: str, value):
+    """Inside: every module's ``attr`` is ``value``; each gets its own value back on leaving. How a
+    parallel chapter plugs into a serial model for one forward (``attention_fn``, ``forward_fn``)."""
+    previous = [getattr(m, attr) for m in modules]
+    for m in modules:
+        setattr(m, attr, value)
+    try:
+        yield
+    finally:
+        for m, old in zip(modules, previous):
+            setattr(m, attr, old)

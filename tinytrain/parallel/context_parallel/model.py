@@ -17,12 +17,12 @@ Composes with tensor parallel: a ``TensorParallelGPT``'s attention runs CP on it
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import numpy
 
 from tinytrain import distributed as dist
+from tinytrain.nn.module import swapped
 from tinytrain.nn.transformer import CausalSelfAttention
 from tinytrain.parallel.context_parallel.ring import ring_attention
 from tinytrain.parallel.context_parallel.split import check_split, positions
@@ -41,29 +41,15 @@ class ContextParallel:
     split: str = "zigzag"
     modules: tuple = ()  # the attention modules whose attention_fn is ours
 
-    @contextlib.contextmanager
     def serial(self):
         """Inside: the modules attend over the whole sequence they are given (rank-local evaluation on
-        full sequences, sampling), as the serial model does; CP attention again on leaving."""
-        for m in self.modules:
-            m.attention_fn = None
-        try:
-            yield
-        finally:
-            for m in self.modules:
-                m.attention_fn = self.attention
+        full sequences, sampling), as the serial model does; their attention again on leaving."""
+        return swapped(self.modules, "attention_fn", None)
 
-    @contextlib.contextmanager
     def active(self):
-        """Inside: the modules run CP attention; whole-sequence attention again on leaving. A
+        """Inside: the modules run CP attention; their previous attention again on leaving. A
         training loop that evaluates the serial model on one rank turns CP on for its steps only."""
-        for m in self.modules:
-            m.attention_fn = self.attention
-        try:
-            yield
-        finally:
-            for m in self.modules:
-                m.attention_fn = None
+        return swapped(self.modules, "attention_fn", self.attention)
 
     @property
     def size(self) -> int:
