@@ -342,3 +342,10 @@ def test_the_pipeline_plot_draws_one_row_per_stage_under_tp_and_dp(tmp_path, mon
     measured = drawn["panels"][1][1]
     assert sorted({e[0] for e in measured}) == [0, 1]
     assert sorted(e[4] for e in measured if e[0] == 1) == [0.002, 0.012]  # world rank 2 starts at 2, 12 us
+
+
+def test_a_serial_run_writes_its_trace_too(tmp_path):
+    trace_path = tmp_path / "serial.json"
+    train(tmp_path / "run", "--steps", "2", "--no-plot", "--trace", str(trace_path))
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    assert {e["name"] for e in events} >= {"step"} and {e["pid"] for e in events} == {0}

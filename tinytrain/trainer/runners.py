@@ -80,7 +80,12 @@ class SerialRunner:
         return moe_step_stats(self.model)
 
     def finish(self, args, out: Path) -> None:
-        """Nothing to show for a serial run."""
+        """``--trace``: this process's spans as a Chrome trace (one rank: forward, backward, optimizer)."""
+        if args.trace:
+            from tinytrain import trace
+
+            trace.write_chrome(args.trace)
+            print(f"wrote the Chrome trace {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
 
 
 class MeshRunner:
