@@ -2,8 +2,9 @@
 
 A ``Plan`` says how many ranks each strategy gets. Its ranks form a mesh, tensor parallel
 innermost (its all-reduces run between every pair of matmuls: keep them inside a node), then
-context-parallel ranks (K/V around a ring every layer), pipeline stages, data-parallel replicas
-outermost (one gradient sum per step)::
+context-parallel ranks (K/V around a ring every layer), expert-parallel ranks (tokens to their
+experts by all-to-all), pipeline stages, data-parallel replicas outermost (one gradient sum per
+step)::
 
     mpirun -n 8 tinytrain train --dp 2 --pp 2 --tp 2        mesh {dp: 2, pp: 2, tp: 2}
 
@@ -20,6 +21,7 @@ into this rank's part, always in this order, as torchtitan's ``parallelize`` doe
 
     1. shard every block for TP (and SP)         tensor_parallel.tensor_parallel_gpt
        attention over the CP group (positions)   context_parallel.apply_context_parallel
+       experts over the EP group (all-to-all)    expert_parallel.apply_expert_parallel
     2. cut the blocks into pipeline stages       pipeline.PipelineStage
     3. replicate over DP, or shard with ZeRO     data_parallel.BucketedDDP, zero.Zero
 
