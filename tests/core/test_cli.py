@@ -349,3 +349,6 @@ def test_a_serial_run_writes_its_trace_too(tmp_path):
     train(tmp_path / "run", "--steps", "2", "--no-plot", "--trace", str(trace_path))
     events = json.loads(trace_path.read_text())["traceEvents"]
     assert {e["name"] for e in events} >= {"step"} and {e["pid"] for e in events} == {0}
+    from tinytrain import trace
+
+    assert not trace.enabled  # on for that run only

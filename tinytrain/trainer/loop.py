@@ -84,17 +84,27 @@ class Progress:
 
 
 def run(args) -> int:
+    """``tinytrain train``: tracing (``--trace``, ``--plot``) is on for this run only."""
+    from tinytrain import trace
+
+    tracing = bool(args.trace or args.plot)
+    if tracing:
+        trace.clear()  # this run's spans only (an in-process caller may have traced before)
+        trace.enable()
+    try:
+        return train(args)
+    finally:
+        if tracing:
+            trace.enable(False)
+
+
+def train(args) -> int:
     check_args(args)
     dataset = load_dataset(args.data, args.block_size, args.digits)
     model = build_model(args, dataset)
     runner = make_runner(model, plan_of(args), args.batch_size)
     optimizer, schedule = build_optimizer(args, runner.parameters())
     quiet = args.quiet or not runner.is_main
-    if args.trace or args.plot:
-        from tinytrain import trace
-
-        trace.clear()  # this run's spans only (an in-process caller may have traced before)
-        trace.enable()
     out = Path(args.out)
     ckpt = out / "ckpt"
     metrics = {
