@@ -47,8 +47,7 @@ def parallel_step(model, step):
     _random.manual_seed((1, step))
     x, y = batch(step)
     loss = model.loss(x, y)
-    loss.backward()
-    model.sync_sequence_parallel_grads()
+    loss.backward()  # SP's partial gradients are summed over the group by the model's hooks
     return loss
 
 

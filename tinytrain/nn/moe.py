@@ -227,8 +227,14 @@ def moe_step_stats(model) -> dict:
     layers = [m.stats for m in model.modules() if isinstance(m, MoE) and m.stats is not None]
     if not layers:
         return {}
+    return summarize_stats([s["load"] for s in layers], [s["dropped"] for s in layers], [s["aux"] for s in layers])
+
+
+def summarize_stats(load, dropped, aux) -> dict:
+    """Per-layer numbers (load: layers x experts) as one log record: load summed over layers, the
+    mean dropped share, the summed aux loss."""
     return {
-        "load": numpy.sum([s["load"] for s in layers], axis=0).tolist(),
-        "dropped": float(numpy.mean([s["dropped"] for s in layers])),
-        "aux": float(sum(s["aux"] for s in layers)),
+        "load": numpy.sum(load, axis=0).tolist(),
+        "dropped": float(numpy.mean(dropped)),
+        "aux": float(numpy.sum(aux)),
     }

@@ -45,7 +45,7 @@ from tinytrain import random as _random
 from tinytrain.backend import xp
 from tinytrain.checkpoint import Placement
 from tinytrain.data import IGNORE
-from tinytrain.nn.moe import moe_step_stats
+from tinytrain.nn.moe import moe_step_stats, summarize_stats
 from tinytrain.optim import clip_grad_norm_
 from tinytrain.parallel.plan import Plan
 
@@ -80,14 +80,9 @@ class ParallelModel:
         from tinytrain.parallel.tensor_parallel import tensor_parallel_gpt
 
         part = tensor_parallel_gpt(model, self.tp_group, sequence_parallel=self.plan.sp)
-        for s in part.shards():
+        for s in part.shards():  # (SP's partial gradients are summed over TP by the model's hooks)
             self.placement[id(s.param)] = s.placement
-            if s.partial:  # SP: saw only my tokens; sum over the TP group as each gradient arrives,
-                s.param.register_hook(self._sum_over_tp)  # so DP/ZeRO and micro-batches see whole ones
         return part
-
-    def _sum_over_tp(self, grad):
-        return dist.all_reduce(grad.copy(), group=self.tp_group, algo="ring")
 
     # --- 1b. context parallel: attention over the CP ring (or all-to-all), activations cut by position
 
@@ -293,11 +288,7 @@ class ParallelModel:
         if self.experts is None:
             return moe_step_stats(self.model)
         stats = self.experts.stats()  # per MoE layer, the same on every rank
-        return {
-            "load": stats["load"].sum(axis=0).tolist(),
-            "dropped": float(stats["dropped"].mean()),
-            "aux": float(stats["aux"].sum()),
-        }
+        return summarize_stats(stats["load"], stats["dropped"], stats["aux"])
 
     def memory(self) -> dict | None:
         """ZeRO's bytes per rank (params, grads, optimizer, gathered_peak), else None."""

@@ -103,8 +103,6 @@ class Plan:
                 "--experts composes with --dp and --ep only: tensor, pipeline and context parallel and ZeRO "
                 "are not composed with the mixture of experts here"
             )
-        if self.tp > 1 and not config.tie_weights:
-            raise ValueError("--tp shards the plain GPT with tied weights")
         if world_size != self.world_size:
             raise ValueError(
                 f"{self.flags()} needs exactly {self.world_size} ranks (dp x pp x ep x cp x tp): run `mpirun -n "

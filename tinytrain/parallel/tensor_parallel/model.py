@@ -16,8 +16,9 @@ Who holds what, and where ranks talk (t ranks in the TP group; SP: sequence para
      ├─ enter (copy / all-gather T), then x @ wte_rᵀ: my V/t columns of the logits (tied head)
      └─ vocab_parallel_cross_entropy    3 all-reduces of B·T numbers; backward local
 
-After backward, ``sync_sequence_parallel_grads`` sums the partial gradients of the replicated
-weights over the group (SP only: each rank saw only its tokens). ``shards()`` lists every
+Under SP a replicated weight (LayerNorm, a row layer's bias) sees only my tokens, so its gradient
+is partial: a hook sums each gradient over the group as backward produces it, so what lands in
+``.grad`` is whole — for micro-batches (pipeline) and data parallel (DDP, ZeRO) as well. ``shards()`` lists every
 parameter's :class:`Shard`; ``write_into`` all-gathers them back into a serial model.
 """
 
@@ -42,6 +43,7 @@ from tinytrain.parallel.tensor_parallel.layers import (
 from tinytrain.parallel.tensor_parallel.mappings import (
     ScatterToSequenceRegion,
     all_gather_along,
+    all_reduce_copy,
 )
 
 
@@ -65,6 +67,9 @@ class TensorParallelGPT(Parallel):
         self.ln_f = ReplicatedLayerNorm(model.ln_f, group, "ln_f", sequence_parallel)
         self.head = None  # the output head is the (vocab-parallel) token embedding, tied
         self.p, self.dropout_site = config.dropout, "drop"
+        for s in self.shards():
+            if s.partial:  # SP: saw only my tokens; sum over the group as each gradient arrives
+                s.param.register_hook(self._sum_over_group)
 
     def hidden(self, ids, positions=None):
         """The last block's output: (B, T, C), or my sequence shard under SP; ``positions``: see ``embed``."""
@@ -118,11 +123,9 @@ class TensorParallelGPT(Parallel):
         t = dist.get_world_size(self.group) if self.sequence_parallel else 1
         return (rows, seq_len // t, self.config.n_embd)
 
-    def sync_sequence_parallel_grads(self):
-        """Under SP a replicated weight (LayerNorm, row bias) saw only my tokens: sum over the group."""
-        for s in self.shards():
-            if s.partial and s.param.grad is not None:
-                dist.all_reduce(s.param.grad, group=self.group, algo="ring")
+    def _sum_over_group(self, grad):
+        """The hook of a partial (SP) gradient: the sum over the group, as a new array."""
+        return all_reduce_copy(grad, self.group)
 
     def write_into(self, model):
         """Gather every shard into the serial ``model`` (every rank ends with the full model)."""
