@@ -1,4 +1,4 @@
-"""The ``tinytrain`` command: ``train``, ``sample`` and ``bench``.
+"""The ``tinytrain`` command: ``train``, ``sample``, ``bench``, ``plan`` and ``doctor``.
 
 Each subcommand lives in its own module and is imported only when used, so ``tinytrain --help``
 stays fast and never initialises MPI.
@@ -15,6 +15,8 @@ _COMMANDS = {
     "train": ("tinytrain.trainer", "train a GPT (serial, or under mpirun with --dp/--tp/--pp)"),
     "sample": ("tinytrain.sample", "print text generated from a checkpoint"),
     "bench": ("tinytrain.bench", "benchmarks: `tinytrain bench step`, `tinytrain bench collectives`"),
+    "plan": ("tinytrain.planner", "which layouts fit a model on a cluster, and which is fastest"),
+    "doctor": ("tinytrain.doctor", "what this machine and its MPI offer: versions, device, settings"),
 }
 
 

@@ -23,7 +23,7 @@ LAYERS = [
     ("distributed", ["tinytrain.distributed"]),
     ("parallel", ["tinytrain.parallel"]),
     ("viz", ["tinytrain.viz"]),
-    ("trainer", ["tinytrain.trainer", "tinytrain.sample", "tinytrain.bench"]),
+    ("trainer", ["tinytrain.trainer", "tinytrain.sample", "tinytrain.bench", "tinytrain.planner", "tinytrain.doctor"]),
     ("cli", ["tinytrain.cli"]),
 ]
 
