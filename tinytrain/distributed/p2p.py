@@ -103,7 +103,7 @@ class Exchange:
                 buf = backend.to_host(buf)  # a host copy; kept alive by the request below
         self.reqs.append(self.group.comm.Isend(buf, dest=peer, tag=tag))
         self.labels.append(("send to", self.group.world_rank(peer)))
-        stats.count_send(self.group.name, self.op, buf.nbytes)
+        stats.count_send(self.group.name, self.op, buf.nbytes, peer=self.group.world_rank(peer))
         self.nbytes += buf.nbytes
 
     def recv(self, buf, peer: int, tag: int) -> None:
@@ -115,7 +115,7 @@ class Exchange:
                 self.after.append(lambda: buf.__setitem__(Ellipsis, backend.asarray(target)))
         self.reqs.append(self.group.comm.Irecv(target, source=peer, tag=tag))
         self.labels.append(("recv from", self.group.world_rank(peer)))
-        stats.count_recv(self.group.name, self.op, buf.nbytes)
+        stats.count_recv(self.group.name, self.op, buf.nbytes, peer=self.group.world_rank(peer))
 
     def test(self) -> bool:
         """Poll MPI; True (and staged data copied back) once every message has completed."""

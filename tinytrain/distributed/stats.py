@@ -23,20 +23,24 @@ from collections import defaultdict
 
 # (group name, op name) -> [bytes sent, bytes received, messages sent, messages received]
 _counters: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+# (group name, op name, peer's world rank) -> [bytes sent to it, bytes received from it]
+_by_peer: dict[tuple[str, str, int], list[int]] = defaultdict(lambda: [0, 0])
 
 
-def count_send(group: str, op: str, nbytes: int) -> None:
-    """Count one posted send of ``nbytes`` bytes."""
+def count_send(group: str, op: str, nbytes: int, peer: int) -> None:
+    """Count one posted send of ``nbytes`` bytes to world rank ``peer``."""
     row = _counters[(group, op)]
     row[0] += nbytes
     row[2] += 1
+    _by_peer[(group, op, peer)][0] += nbytes
 
 
-def count_recv(group: str, op: str, nbytes: int) -> None:
-    """Count one posted receive of ``nbytes`` bytes."""
+def count_recv(group: str, op: str, nbytes: int, peer: int) -> None:
+    """Count one posted receive of ``nbytes`` bytes from world rank ``peer``."""
     row = _counters[(group, op)]
     row[1] += nbytes
     row[3] += 1
+    _by_peer[(group, op, peer)][1] += nbytes
 
 
 def snapshot() -> dict[tuple[str, str], tuple[int, int, int, int]]:
