@@ -1,11 +1,394 @@
-"""`tinytrain plan`: placeholder, filled in by its issue."""
+"""``tinytrain plan``: which layouts of a model fit a cluster, and which is fastest, with the reason
+in numbers.
+
+For every layout (dp × pp × cp × tp ranks, SP on or off, ZeRO stage, micro-batch size, activation
+recomputation) it computes, with the formulas of ``tinytrain/parallel/costs.py`` (the handouts'):
+
+* memory per GPU: parameters, gradients and optimizer state (``zero_memory`` over the data group,
+  of this GPU's 1/(tp·pp) of the model) + activations (``activation_bytes_per_layer`` × layers of a
+  stage × micro-batches a 1F1B stage holds, min(p, m));
+* step time: compute (``gpt_flops`` / (peak × efficiency)) per micro-batch, plus per micro-batch
+  each TP all-reduce, CP ring transfer beyond what attention hides, PP boundary message, on the link
+  it crosses (α-β: ``collective_time``), times (m + p - 1) micro-batch slots (the bubble,
+  ``bubble_formula``), plus the data-parallel gradient sync that backward does not hide.
+
+The mesh is tinytrain's: TP innermost (neighbouring GPUs), then CP, PP, DP outermost; a group whose
+ranks lie within ``gpus_per_node`` consecutive GPUs talks over the intra-node link, otherwise over
+the inter-node one. What is not modelled: the optimizer step's time, the logits' memory, overlap of
+TP or PP messages with compute, interleaved schedules, expert parallel (no mixture-of-experts preset).
+"""
 
 from __future__ import annotations
 
+import argparse
+import itertools
+import json
+import sys
+from dataclasses import asdict, dataclass, replace
 
-def add_arguments(parser) -> None:
-    pass
+from tinytrain.parallel.costs import (
+    activation_bytes_per_layer,
+    attention_share,
+    bubble_formula,
+    collective_bytes,
+    collective_time,
+    data_parallel_volume,
+    gpt_flops,
+    gpt_parameters,
+    tensor_parallel_volume,
+    zero_memory,
+)
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GPT by its shape and the global batch (sequences per step) it trains with."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    batch: int
+    tied: bool = True
+    bias: bool = True
+
+    @property
+    def parameters(self) -> int:
+        return gpt_parameters(self.layers, self.hidden, self.vocab, self.seq, self.bias, self.tied)
+
+
+# Shapes from the papers; a LLaMA's SwiGLU MLP and grouped-query attention are counted as a GPT's
+# 12h² per layer (llama2-7b: 6.7B parameters here, 6.7B in the paper; llama2-70b: 65B here, 69B).
+PRESETS = {
+    "gpt3-175b": ModelSpec(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048, batch=1536),
+    "gpt3-1.3b": ModelSpec(layers=24, hidden=2048, heads=16, vocab=51200, seq=2048, batch=512),
+    "llama2-7b": ModelSpec(layers=32, hidden=4096, heads=32, vocab=32000, seq=4096, batch=1024, tied=False, bias=False),
+    "llama2-70b": ModelSpec(
+        layers=80, hidden=8192, heads=64, vocab=32000, seq=4096, batch=1024, tied=False, bias=False
+    ),
+    # tinytrain's own defaults (GPTConfig() and `tinytrain train`'s batch)
+    "tinytrain": ModelSpec(layers=4, hidden=128, heads=4, vocab=32, seq=32, batch=8),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes of GPUs. Defaults: 8 A100-80GB per node on NVLink (300 GB/s each way per GPU), one
+    200 Gb/s InfiniBand HDR port per GPU (25 GB/s), 312 TFLOP/s bf16 peak."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    memory: float = 80 * GB
+    peak_flops: float = 312e12
+    efficiency: float = 0.7  # share of peak a large matmul reaches
+    intra_bw: float = 300 * GB
+    intra_alpha: float = 5e-6
+    inter_bw: float = 25 * GB
+    inter_alpha: float = 10e-6
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(α, bandwidth) of a group whose ranks lie within ``span`` consecutive GPUs."""
+        if span <= self.gpus_per_node:
+            return self.intra_alpha, self.intra_bw
+        return self.inter_alpha, self.inter_bw
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    sp: bool = False
+    zero: int = 0
+    microbatch: int = 1  # sequences per micro-batch
+    recompute: bool = False
+
+    def flags(self) -> str:
+        parts = [f"--{k} {v}" for k, v in (("dp", self.dp), ("pp", self.pp), ("cp", self.cp), ("tp", self.tp)) if v > 1]
+        parts += ["--sp"] if self.sp else []
+        parts += [f"--zero {self.zero}"] if self.zero else []
+        parts += [f"(micro-batch {self.microbatch}{', recompute' if self.recompute else ''})"]
+        return " ".join(parts)
+
+
+ACTIVATION_BYTES = 2  # bf16 activations and gradients on the wire; fp32 master state in K
+
+
+def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
+    """Memory per GPU (bytes) and step time (seconds), each with its parts; see the module docstring."""
+    lo, cl = layout, cluster
+    world = lo.dp * lo.tp * lo.pp * lo.cp
+    m = model.batch // (lo.dp * lo.microbatch)  # micro-batches per replica and step
+    s = model.seq // lo.cp  # positions each context rank holds
+    per_gpu = model.parameters / (lo.tp * lo.pp)
+    data_group = lo.dp * lo.cp  # CP is data parallel for the weights
+    state = zero_memory(per_gpu, data_group, lo.zero)
+    layer_act = activation_bytes_per_layer(
+        s, lo.microbatch, model.hidden, model.heads, lo.tp, lo.sp, lo.recompute, ACTIVATION_BYTES
+    )
+    held = min(lo.pp, m) if lo.pp > 1 else 1  # 1F1B: stage 0 holds p micro-batches in flight
+    activations = layer_act * model.layers / lo.pp * held
+    if lo.recompute:  # the layer being recomputed holds its whole set for a moment
+        activations += activation_bytes_per_layer(s, lo.microbatch, model.hidden, model.heads, lo.tp, lo.sp)
+    memory = {
+        "params": state["params"],
+        "grads": state["grads"],
+        "optimizer": state["optimizer"],
+        "activations": activations,
+    }
+    memory["total"] = sum(memory.values())
+
+    # --- one micro-batch on one stage -------------------------------------------------------------
+    layers = model.layers / lo.pp
+    flops = gpt_flops(lo.microbatch, model.seq, model.layers, model.hidden, model.vocab, lo.recompute)
+    compute = flops / (lo.tp * lo.pp * lo.cp) / (cl.peak_flops * cl.efficiency)
+    activation = lo.microbatch * s * model.hidden * ACTIVATION_BYTES  # one (b, s/cp, h) tensor
+    tp_link = cl.link(lo.tp)
+    passes = 3 if lo.recompute else 2
+    tp = layers * passes * 2 * collective_time("all_reduce", activation, lo.tp, *tp_link)
+    kv = 2 * activation / lo.tp  # this rank's K and V heads
+    cp_link = cl.link(lo.tp * lo.cp)
+    cp_send = collective_time("send", kv, lo.cp, *cp_link) if lo.cp > 1 else 0.0
+    # fwd cp-1 hops, bwd 2cp-1, each hidden behind one attention block: attention is s/(6h) of a layer's FLOPs
+    attention = compute * attention_share(model.seq, model.layers, model.hidden, model.vocab)
+    cp = max(0.0, layers * (3 * lo.cp - 2) * cp_send - attention)
+    pp_link = cl.link(lo.tp * lo.cp * lo.pp)
+    boundary = activation / (lo.tp if lo.sp else 1)
+    pp = 2 * collective_time("send", boundary, 2, *pp_link) if lo.pp > 1 else 0.0
+    slot = compute + tp + cp + pp
+    pipeline = (m + lo.pp - 1) * slot
+    bubble = bubble_formula(lo.pp, m)
+
+    # --- data parallel: gradients of this GPU's parameters over the data group ----------------------
+    dp_link = cl.link(world)
+    grad_bytes = per_gpu * ACTIVATION_BYTES
+    if lo.zero == 3:
+        dp_time = collective_time("reduce_scatter", grad_bytes, data_group, *dp_link) + 2 * m * collective_time(
+            "all_gather", grad_bytes, data_group, *dp_link
+        )
+    elif lo.zero:
+        dp_time = 2 * collective_time("reduce_scatter", grad_bytes, data_group, *dp_link)
+    else:
+        dp_time = collective_time("all_reduce", grad_bytes, data_group, *dp_link)
+    backward = compute * (passes - 1) / passes  # backward (and the recomputed forward) of the last micro-batch
+    dp_exposed = dp_time if lo.pp > 1 else max(0.0, dp_time - backward)
+    step = pipeline + dp_exposed
+    sent = {  # bytes each GPU sends per step
+        "tensor_parallel": m * layers * tensor_parallel_volume(activation, lo.tp, passes),
+        "context_parallel": m * layers * (3 * lo.cp - 2) * kv if lo.cp > 1 else 0.0,
+        "pipeline": 2 * m * boundary if lo.pp > 1 else 0.0,
+        "data_parallel": data_parallel_volume(per_gpu, data_group, lo.zero) * ACTIVATION_BYTES,
+    }
+    model_flops = gpt_flops(model.batch, model.seq, model.layers, model.hidden, model.vocab)
+    hardware_flops = gpt_flops(model.batch, model.seq, model.layers, model.hidden, model.vocab, lo.recompute)
+    return {
+        "layout": asdict(lo),
+        "flags": lo.flags(),
+        "gpus": world,
+        "microbatches": m,
+        "fits": memory["total"] <= cl.memory,
+        "memory": memory,
+        "time": {
+            "compute": m * compute,
+            "tensor_parallel": m * tp,
+            "context_parallel": m * cp,
+            "pipeline_messages": m * pp,
+            "bubble": (lo.pp - 1) * slot,
+            "bubble_share": bubble,
+            "data_parallel": dp_time,
+            "data_parallel_exposed": dp_exposed,
+            "step": step,
+        },
+        "bytes_sent": sent,
+        "links": {"tp": _name(cl, lo.tp), "pp": _name(cl, lo.tp * lo.cp * lo.pp), "dp": _name(cl, world)},
+        "mfu": model_flops / (world * cl.peak_flops * step),
+        "hfu": hardware_flops / (world * cl.peak_flops * step),
+    }
+
+
+def _name(cluster: Cluster, span: int) -> str:
+    return "intra-node" if span <= cluster.gpus_per_node else "inter-node"
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << k for k in range(limit.bit_length()) if (1 << k) <= limit]
+
+
+OPTIONAL = ("cp", "sp", "zero", "recompute")  # strategies `--without` can leave out
+
+
+def layouts(model: ModelSpec, gpus: int, microbatches=(1, 2, 4, 8), without=()):
+    """Every layout of ``gpus`` GPUs the planner considers: tp a power of two dividing the heads, pp
+    dividing the layers, cp cutting the sequence into 2·cp zigzag chunks, ZeRO 2 and 3 only without
+    a pipeline (they would sync once per micro-batch), SP only with TP; ``without`` leaves out any
+    of ``OPTIONAL`` (e.g. a paper's search space: ``("cp", "sp", "zero")``)."""
+    cps = [1] if "cp" in without else _powers_of_two(16)
+    zeros = [0] if "zero" in without else range(4)
+    sps = [False] if "sp" in without else (False, True)
+    recomputes = [False] if "recompute" in without else (False, True)
+    for tp, cp in itertools.product(_powers_of_two(model.heads), cps):
+        if model.heads % tp or model.seq % (2 * cp) or gpus % (tp * cp):
+            continue
+        for pp in range(1, model.layers + 1):
+            if model.layers % pp or gpus % (tp * cp * pp):
+                continue
+            dp = gpus // (tp * cp * pp)
+            for zero, sp, b, recompute in itertools.product(zeros, sps, microbatches, recomputes):
+                if (zero > 1 and pp > 1) or (sp and tp == 1) or model.batch % (dp * b):
+                    continue
+                yield Layout(dp, tp, pp, cp, sp, zero, b, recompute)
+
+
+def plan(model: ModelSpec, cluster: Cluster, without=()) -> list[dict]:
+    """Every layout's estimate, the fitting ones first, fastest first."""
+    rows = [estimate(model, cluster, lo) for lo in layouts(model, cluster.gpus, without=without)]
+    # among equally fast layouts, the simplest first (lower ZeRO stage, no SP, no recomputation)
+    return sorted(
+        rows,
+        key=lambda r: (
+            not r["fits"],
+            r["time"]["step"],
+            r["layout"]["zero"],
+            r["layout"]["sp"],
+            r["layout"]["recompute"],
+        ),
+    )
+
+
+def best(rows: list[dict], **where) -> dict | None:
+    """The fastest fitting row whose layout has every ``where`` value (e.g. ``tp=8``), or None."""
+    for r in rows:
+        if r["fits"] and all(r["layout"][k] == v for k, v in where.items()):
+            return r
+    return None
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="gpt3-175b", help=f"a preset: {', '.join(PRESETS)}")
+    for name, what in (
+        ("layers", "transformer blocks"),
+        ("hidden", "width"),
+        ("heads", "attention heads"),
+        ("vocab", "vocabulary size"),
+        ("seq", "sequence length"),
+        ("batch", "global batch in sequences"),
+    ):
+        parser.add_argument(f"--{name}", type=int, default=None, help=f"{what} (overrides the preset)")
+    c = Cluster()
+    parser.add_argument("--nodes", type=int, default=c.nodes)
+    parser.add_argument("--gpus-per-node", type=int, default=c.gpus_per_node)
+    parser.add_argument("--memory-gb", type=float, default=c.memory / GB, help="memory per GPU")
+    parser.add_argument("--peak-tflops", type=float, default=c.peak_flops / 1e12, help="peak per GPU")
+    parser.add_argument("--efficiency", type=float, default=c.efficiency, help="share of peak compute reaches")
+    parser.add_argument("--intra-gbps", type=float, default=c.intra_bw / GB, help="intra-node GB/s per GPU")
+    parser.add_argument("--inter-gbps", type=float, default=c.inter_bw / GB, help="inter-node GB/s per GPU")
+    parser.add_argument("--intra-latency-us", type=float, default=c.intra_alpha * 1e6)
+    parser.add_argument("--inter-latency-us", type=float, default=c.inter_alpha * 1e6)
+    parser.add_argument(
+        "--without", nargs="+", default=[], choices=OPTIONAL, help="leave strategies out (e.g. a paper's search space)"
+    )
+    parser.add_argument("--top", type=int, default=5, help="how many layouts to print")
+    parser.add_argument("--json", action="store_true", help="print every layout's estimate as JSON")
+
+
+def from_args(args) -> tuple[ModelSpec, Cluster]:
+    if args.model not in PRESETS:
+        raise ValueError(f"--model {args.model} is not a preset; choose one of {', '.join(PRESETS)}")
+    overrides = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq", "batch")}
+    model = replace(PRESETS[args.model], **{k: v for k, v in overrides.items() if v is not None})
+    for k, v in asdict(model).items():
+        if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+            raise ValueError(f"--{k} must be at least 1, got {v}")
+    if model.hidden % model.heads:
+        raise ValueError(f"--hidden {model.hidden} does not split into --heads {model.heads}")
+    positive = ("nodes", "gpus_per_node", "memory_gb", "peak_tflops", "efficiency", "intra_gbps", "inter_gbps")
+    for k in positive:
+        if getattr(args, k) <= 0:
+            raise ValueError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+    cluster = Cluster(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        memory=args.memory_gb * GB,
+        peak_flops=args.peak_tflops * 1e12,
+        efficiency=args.efficiency,
+        intra_bw=args.intra_gbps * GB,
+        inter_bw=args.inter_gbps * GB,
+        intra_alpha=args.intra_latency_us * 1e-6,
+        inter_alpha=args.inter_latency_us * 1e-6,
+    )
+    return model, cluster
+
+
+def _row(r: dict) -> str:
+    mem, t = r["memory"], r["time"]
+    return (
+        f"{r['flags']:<52} {mem['total'] / GB:6.1f} GB  step {t['step']:8.3f} s  {r['hfu']:5.1%} of peak  "
+        f"(compute {t['compute']:.2f}, TP {t['tensor_parallel']:.2f} {r['links']['tp']}, "
+        f"bubble {t['bubble_share']:.0%}, PP {t['pipeline_messages']:.2f}, DP {t['data_parallel_exposed']:.2f})"
+    )
 
 
 def run(args) -> int:
-    raise ValueError("not built yet")
+    model, cluster = from_args(args)
+    rows = plan(model, cluster, without=args.without)
+    if args.json:
+        json.dump({"model": asdict(model), "cluster": asdict(cluster), "layouts": rows}, sys.stdout)
+        print()
+        return 0
+    fitting = [r for r in rows if r["fits"]]
+    print(
+        f"{args.model}: {model.parameters / 1e9:.1f}B parameters, batch {model.batch} x {model.seq} tokens, "
+        f"on {cluster.nodes} x {cluster.gpus_per_node} GPUs of {cluster.memory / GB:.0f} GB"
+    )
+    if not fitting:
+        smallest = min(rows, key=lambda r: r["memory"]["total"]) if rows else None
+        need = f" (the smallest needs {smallest['memory']['total'] / GB:.1f} GB per GPU)" if smallest else ""
+        print(f"no layout fits{need}: add GPUs or memory")
+        return 1
+    print(f"{len(fitting)} of {len(rows)} layouts fit; the fastest:")
+    for r in fitting[: args.top]:
+        print("  " + _row(r))
+    inside = next((r for r in fitting if r["links"]["tp"] == "intra-node"), None)
+    across = next((r for r in fitting if r["links"]["tp"] == "inter-node"), None)
+    if inside and across:
+        print(
+            f"TP inside a node: best {inside['time']['step']:.3f} s/step; TP across nodes: best "
+            f"{across['time']['step']:.3f} s/step ({across['flags']}), its TP all-reduces cost "
+            f"{across['time']['tensor_parallel']:.2f} s on the {cluster.inter_bw / GB:g} GB/s link"
+        )
+    return 0
+
+
+# --- tinytrain's own runs: the bytes a step sends, exactly -----------------------------------------
+
+
+def run_bytes(model: ModelSpec, dp: int, zero: int = 0, itemsize: int = 4) -> dict:
+    """Bytes all ranks together send in one ``forward_backward`` + ``step`` of ``tinytrain train
+    --dp dp [--zero zero]`` (fp32, ring collectives), by (group, op): the gradient sync
+    (``data_parallel_volume``; a tied embedding counts once in Ψ and, under ZeRO-3, is gathered by
+    both layers that use it) and the loss average (one float64 all-reduce, whose algorithm tinytrain
+    picks by size). Summed over ranks the ring's uneven chunks cancel, so these are exact."""
+    from tinytrain.distributed.choice import choose_all_reduce_algo
+
+    psi, n = model.parameters, dp
+    tied = model.vocab * model.hidden if model.tied else 0
+    loss = n * collective_bytes("all_reduce", 8, n, choose_all_reduce_algo(8))
+    if zero == 0:
+        return {("dp", "all_reduce"): round(n * collective_bytes("all_reduce", psi * itemsize, n) + loss)}
+    gathered = 2 * (psi + tied) if zero == 3 else psi  # ZeRO-3: for forward and again for backward
+    return {
+        ("dp", "reduce_scatter"): round(n * collective_bytes("reduce_scatter", psi * itemsize, n)),
+        ("dp", "all_gather"): round(n * collective_bytes("all_gather", gathered * itemsize, n)),
+        ("dp", "all_reduce"): round(loss),
+    }

@@ -1,0 +1,164 @@
+"""The cost formulas of the handouts, in one place: bytes each collective sends, the α-β time of a
+message, ZeRO's memory per rank, activation memory per layer, FLOPs per step, the pipeline bubble.
+
+Everything here is arithmetic on sizes; nothing talks between ranks. ``tinytrain plan`` computes
+layouts with these functions, the tests check them against measured bytes and published figures,
+and ``docs/choosing_a_layout.md`` walks through them. Symbols:
+
+    N   bytes of a buffer            n   ranks in the group          Ψ   parameters
+    α   seconds to start a message   bw  bytes per second of a link  K   optimizer bytes per parameter
+    s   sequence length              b   micro-batch (sequences)     h   hidden width
+    a   attention heads              l   layers                      V   vocabulary
+    t   tensor-parallel ranks        p   pipeline stages             m   micro-batches per replica
+
+Collective volumes (bytes *each rank sends*, ring algorithms, ``distributed/algorithms.py``; with
+n not dividing the buffer a rank sends within one chunk of these, and the sum over ranks is exact)::
+
+    all-reduce (ring)              2(n-1)/n · N      in 2(n-1) steps
+    all-reduce (halving-doubling)  2(n-1)/n · N      in 2·log2 n steps
+    all-reduce (recursive doubl.)  log2 n · N        in log2 n steps
+    all-gather, reduce-scatter     (n-1)/n · N       in n-1 steps (N: the whole, gathered buffer)
+    all-to-all (pairwise)          (n-1)/n · N       in n-1 steps (N: the send buffer)
+    send (one message)             N                 in 1 step
+"""
+
+from __future__ import annotations
+
+import math
+
+from tinytrain.parallel.simulator import bubble_formula
+
+__all__ = [
+    "bubble_formula",
+    "collective_bytes",
+    "collective_steps",
+    "collective_time",
+    "zero_memory",
+    "data_parallel_volume",
+    "tensor_parallel_volume",
+    "activation_bytes_per_layer",
+    "gpt_parameters",
+    "gpt_flops",
+    "attention_share",
+]
+
+# --- collectives: volume and α-β time ------------------------------------------------------------
+
+
+def collective_bytes(op: str, nbytes: float, n: int, algo: str = "ring") -> float:
+    """Bytes each of ``n`` ranks sends in ``op`` on a buffer of ``nbytes`` (see the module table)."""
+    if n == 1:
+        return 0.0
+    if op == "all_reduce":
+        return math.log2(n) * nbytes if algo == "recursive_doubling" else 2 * (n - 1) / n * nbytes
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * nbytes
+    if op == "send":
+        return float(nbytes)
+    raise ValueError(f"no volume formula for {op!r}: use all_reduce, all_gather, reduce_scatter, all_to_all or send")
+
+
+def collective_steps(op: str, n: int, algo: str = "ring") -> int:
+    """Messages each rank sends one after the other in ``op`` (each pays one start-up α)."""
+    if n == 1:
+        return 0
+    if op == "send":
+        return 1
+    if op == "all_reduce":
+        return {
+            "ring": 2 * (n - 1),
+            "halving_doubling": 2 * math.ceil(math.log2(n)),
+            "recursive_doubling": math.ceil(math.log2(n)),
+        }[algo]
+    return n - 1
+
+
+def collective_time(op: str, nbytes: float, n: int, alpha: float, bandwidth: float, algo: str = "ring") -> float:
+    """The α-β model: every step pays α, every byte a rank sends costs 1/bandwidth seconds."""
+    return collective_steps(op, n, algo) * alpha + collective_bytes(op, nbytes, n, algo) / bandwidth
+
+
+# --- data parallel and ZeRO --------------------------------------------------------------------------
+
+
+def zero_memory(psi: float, n: int, stage: int, weight: int = 2, grad: int = 2, optimizer: int = 12) -> dict:
+    """Bytes of model state per rank (ZeRO paper, Figure 1), for Ψ parameters over n data-parallel ranks.
+
+    Defaults: mixed-precision Adam (2 + 2 + K with K = 12); tinytrain's fp32 Adam is 4 + 4 + 8::
+
+        stage 0 (DDP)   (2 + 2 + K) Ψ          16Ψ     fp32: 16Ψ
+        stage 1         4Ψ + KΨ/n                      fp32: 8Ψ + 8Ψ/n
+        stage 2         2Ψ + (2 + K)Ψ/n                fp32: 4Ψ + 12Ψ/n
+        stage 3         (2 + 2 + K)Ψ/n                 fp32: 16Ψ/n
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    shard = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
+    per = {"params": weight, "grads": grad, "optimizer": optimizer}
+    mem = {k: per[k] * psi / (n if shard[k] else 1) for k in per}
+    mem["total"] = sum(mem.values())
+    return mem
+
+
+def data_parallel_volume(psi: float, n: int, stage: int, tied: float = 0) -> float:
+    """Elements each rank sends per step to synchronize Ψ gradients over n ranks (multiply by the
+    bytes of an element). DDP: one all-reduce, 2(n-1)/n Ψ. ZeRO-1/2: reduce-scatter of gradients +
+    all-gather of updated parameters, the same 2(n-1)/n Ψ. ZeRO-3: parameters gathered for forward
+    and again for backward + reduce-scatter, 3(n-1)/n Ψ (a weight used by two layers, ``tied``
+    elements, is gathered by each: 2(n-1)/n more of it)."""
+    if stage == 3:
+        return (n - 1) / n * (3 * psi + 2 * tied)
+    return 2 * (n - 1) / n * psi
+
+
+# --- tensor parallel --------------------------------------------------------------------------------
+
+
+def tensor_parallel_volume(activation_bytes: float, t: int, passes: int = 2) -> float:
+    """Bytes each rank sends per block for ``passes`` passes (forward + backward = 2; a recomputed
+    forward adds one): two all-reduces of one (b, s, h) activation per pass, 4(t-1)/t·A, the same
+    bytes under SP as all-gathers + reduce-scatters (a4 handout, section 6)."""
+    return passes * 2 * collective_bytes("all_reduce", activation_bytes, t)
+
+
+def activation_bytes_per_layer(
+    s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: bool = False, itemsize: int = 2
+) -> float:
+    """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, 16-bit activations):
+
+        no TP             sbh (34 + 5as/h)
+        TP over t         sbh (10 + 24/t + 5as/(ht))
+        TP + SP           sbh/t (34 + 5as/h)
+        full recompute    2sbh (only the layer's input; /t under SP)
+
+    ``itemsize`` scales the 2-byte figures (4: fp32 activations)."""
+    sbh = s * b * h * itemsize / 2
+    if recompute:
+        return 2 * sbh / (t if sp else 1)
+    if sp:
+        return sbh / t * (34 + 5 * a * s / h)
+    return sbh * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+# --- the GPT: parameters and FLOPs ---------------------------------------------------------------
+
+
+def gpt_parameters(l: int, h: int, V: int, s: int, bias: bool = True, tied: bool = True) -> int:  # noqa: E741
+    """Parameters of tinytrain's GPT (``nn/transformer.py``): per block 12h² weights (q, k, v, proj:
+    4h²; the MLP: 8h²), two LayerNorms (2h, 4h with biases) and the linear layers' biases (9h);
+    token and position embeddings Vh + sh, the final LayerNorm (h or 2h), and an untied head Vh."""
+    norm = 2 * h if bias else h  # one LayerNorm: weight (and bias)
+    block = 12 * h * h + (9 * h if bias else 0) + 2 * norm
+    return l * block + V * h + s * h + norm + (0 if tied else V * h)
+
+
+def gpt_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool = False) -> float:  # noqa: E741
+    """Floating-point operations of one step on B sequences (Narayanan et al. 2021, eq. 3):
+    72·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) for forward + backward (the backward costs two forwards);
+    a recomputed forward adds a third: 96 instead of 72."""
+    return (96 if recompute else 72) * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def attention_share(s: int, l: int, h: int, V: int) -> float:  # noqa: E741
+    """The share of ``gpt_flops`` spent in attention scores and their weighted sums (the s/(6h) term)."""
+    return (s / (6 * h)) / (1 + s / (6 * h) + V / (16 * l * h))
