@@ -20,17 +20,27 @@ pytest over the same tests in the same order; this plugin coordinates them:
   ``tinytrain/distributed/watchdog.py``), so ranks blocked in a collective with it raise
   ``PeerFailure`` at once instead of waiting for their deadline.
 * **Test settings.** Unless already set: ``TINYTRAIN_TIMEOUT=20`` (seconds per communication wait)
-  and ``TINYTRAIN_DEBUG=1`` (collective signatures cross-checked). ``TINYTRAIN_TEST_TIMEOUT``
-  (default 600) bounds how long rank 0 waits for another rank to finish a test; past it the run is
-  aborted with a message naming the rank and test, so even a test stuck outside tinytrain's
-  communication cannot hang the suite.
+  and ``TINYTRAIN_DEBUG=1`` (collective signatures cross-checked).
+* **No hang, anywhere.** Every wait of the harness itself polls with a deadline. A watchdog thread
+  on every rank bounds each whole test (setup, call, teardown and the outcome agreement) by
+  ``TINYTRAIN_TEST_TIMEOUT`` seconds (default 180): past it -- a rank stuck in pure Python, in a
+  blocking MPI call, in a collective the others never reach -- every rank prints its Python stacks
+  (``faulthandler``) with the test's replay seed, and the job is aborted with exit status 87
+  (``EXIT_DEADLINE``). Every rank arms it when the test starts, so all ranks print.
+* **An error escapes: the job ends.** An exception that escapes the harness on one rank (not a
+  test failure: pytest reports those), an internal pytest error, or ranks that collected different
+  tests (an import failing on one rank only) is printed once, by that rank with its number, and
+  the job is aborted with exit status 86 (``EXIT_ERROR``), within seconds.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
+import threading
 import time
+import zlib
 
 os.environ.setdefault("TINYTRAIN_TIMEOUT", "20")
 os.environ.setdefault("TINYTRAIN_DEBUG", "1")
@@ -39,6 +49,11 @@ import pytest  # noqa: E402
 from _pytest.runner import runtestprotocol  # noqa: E402
 
 _TAG = 11
+# Exit statuses of an aborted run (mpirun passes MPI_Abort's code on); python -m grader tells them
+# apart from pytest's own (0 passed, 1 tests failed, 2 interrupted, 5 none collected).
+EXIT_ERROR = 86  # an exception escaped the harness on some rank
+EXIT_DEADLINE = 87  # a test ran past TINYTRAIN_TEST_TIMEOUT (a hang): stacks printed
+_GRACE = 2.0  # seconds an expiring rank waits after printing its stacks, so the others print theirs
 _ctl = None  # the harness's own communicator (a dup of COMM_WORLD)
 _rank, _size = 0, 1
 
@@ -59,9 +74,114 @@ def pytest_configure(config):
     _ctl = MPI.COMM_WORLD.Dup()
     _rank, _size = _ctl.Get_rank(), _ctl.Get_size()
     # Declared in pyproject.toml too; repeated here so test files outside the repo can use them.
-    config.addinivalue_line("markers", "world_size(n): the test needs exactly n MPI ranks")
+    config.addinivalue_line(
+        "markers", "world_size(n, at_least=False): the test needs exactly n MPI ranks (at least n: all of them)"
+    )
+    config.addinivalue_line("markers", "deadline(seconds): this test may take longer than TINYTRAIN_TEST_TIMEOUT")
     if _rank != 0:
         _silence(config)
+    _watchdog.config = config
+    _watchdog.start()
+
+
+def test_deadline(item=None) -> float:
+    """Seconds one test may take on any rank, agreement included: ``@pytest.mark.deadline(s)`` for
+    a test known to be long (one that runs the grader), else ``TINYTRAIN_TEST_TIMEOUT`` (180)."""
+    marker = item.get_closest_marker("deadline") if item is not None else None
+    if marker is not None:
+        return float(marker.args[0])
+    return float(os.environ.get("TINYTRAIN_TEST_TIMEOUT", "180"))
+
+
+def _abort(code: int) -> None:
+    """End every rank of the job now with exit status ``code``."""
+    sys.stderr.flush()
+    try:
+        _mpi().COMM_WORLD.Abort(code)
+    finally:
+        os._exit(code)
+
+
+def _stderr(config):
+    """The real standard error (pytest may be capturing fd 2 for the running test)."""
+    capman = config.pluginmanager.getplugin("capturemanager") if config else None
+    if capman is not None:
+        try:
+            capman.suspend_global_capture(in_=False)
+        except Exception:  # noqa: BLE001 - best effort: we are about to abort anyway
+            pass
+    return sys.__stderr__
+
+
+def fatal(message: str, config=None) -> None:
+    """Print ``message`` once, from this rank, with its number; abort the whole job (EXIT_ERROR)."""
+    err = _stderr(config)
+    err.write(f"\ntinytrain harness, rank {_rank} of {_size}: {message}\naborting all ranks.\n")
+    _abort(EXIT_ERROR)
+
+
+class _Watchdog(threading.Thread):
+    """Bounds every test by ``test_deadline()`` on this rank; see the module docstring."""
+
+    def __init__(self):
+        super().__init__(name="tinytrain-test-watchdog", daemon=True)
+        self.config, self.nodeid, self.since, self.limit = None, None, 0.0, 0.0
+
+    def arm(self, item) -> None:
+        self.since, self.limit, self.nodeid = time.monotonic(), test_deadline(item), item.nodeid
+
+    def disarm(self) -> None:
+        self.nodeid = None
+
+    def run(self) -> None:
+        while True:
+            time.sleep(0.25)
+            nodeid, since, limit = self.nodeid, self.since, self.limit
+            if nodeid is not None and time.monotonic() - since > limit:
+                self.expire(nodeid, limit)
+
+    def expire(self, nodeid: str, limit: float) -> None:
+        from .seeds import replay_hint
+
+        err = _stderr(self.config)
+        hint = replay_hint() or "the test drew no seed"
+        err.write(
+            f"\n=== tinytrain harness, rank {_rank}: {nodeid} is still running after {limit:g} s "
+            f"(TINYTRAIN_TEST_TIMEOUT): a hang or an endless loop; {hint}. Python stacks of rank "
+            f"{_rank} (its main thread's innermost frame is where it is stuck):\n"
+        )
+        err.flush()
+        faulthandler.dump_traceback(file=err, all_threads=True)
+        err.write(f"=== end of rank {_rank}'s stacks; aborting all ranks\n")
+        err.flush()
+        time.sleep(_GRACE)  # the other ranks' deadlines end now too: let them print their stacks
+        _abort(EXIT_DEADLINE)
+
+
+_watchdog = _Watchdog()
+
+
+def pytest_internalerror(excrepr, excinfo):
+    if _size > 1:
+        fatal(f"internal pytest error: {excinfo.exconly() if excinfo else excrepr}")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """All ranks must run the same tests in the same order; else the job ends, saying why."""
+    if _size == 1:
+        return
+    ids = "\n".join(item.nodeid for item in session.items)
+    reporter = session.config.pluginmanager.getplugin("terminalreporter")
+    errors = [getattr(r, "longreprtext", str(r))[-1500:] for r in (reporter.stats.get("error", []) if reporter else [])]
+    mine = (len(session.items), zlib.crc32(ids.encode()), errors)
+    everyone = _gather_to_all(mine, "the other ranks to collect the tests", test_deadline())
+    if len({(n, crc) for n, crc, _ in everyone}) > 1 and _rank == 0:
+        lines = [
+            f"rank {r}: {n} tests" + (f", collection error:\n{e[0]}" if e else "")
+            for r, (n, _, e) in enumerate(everyone)
+        ]
+        fatal("the ranks collected different tests (an import that fails on some ranks only?):\n" + "\n".join(lines))
 
 
 def _silence(config) -> None:
@@ -93,16 +213,29 @@ def pytest_report_header(config):
 
 
 def _needed_ranks(item) -> int | None:
+    """Ranks the test runs on: ``world_size(n)`` exactly n; ``world_size(n, at_least=True)`` every
+    rank when there are at least n (so ``mpirun -n 3`` grades what 3 ranks can)."""
     marker = item.get_closest_marker("world_size")
     if marker is None:
         return None
     if not marker.args or int(marker.args[0]) < 1:
         raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.world_size(n) with n >= 1")
-    return int(marker.args[0])
+    n = int(marker.args[0])
+    return max(n, _size) if marker.kwargs.get("at_least") else n
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
+    _watchdog.arm(item)
+    try:
+        return _protocol(item, nextitem)
+    except Exception as exc:  # noqa: BLE001 - the harness itself failed: end the job, saying why
+        fatal(f"{item.nodeid}: the harness raised {type(exc).__name__}: {exc}", item.config)
+    finally:
+        _watchdog.disarm()
+
+
+def _protocol(item, nextitem):
     from tinytrain.distributed import group as dist_group
 
     MPI = _mpi()
@@ -171,15 +304,8 @@ def _summary(reports, takes_part: bool) -> list[tuple]:
 def _agree(item, reports, takes_part: bool) -> None:
     """Gather every rank's failures on rank 0, send the list to all, and fold them into ``reports``."""
     mine = _summary(reports, takes_part)
-    if _rank == 0:
-        failures = [(0,) + f for f in mine]
-        for peer in range(1, _size):
-            failures += [(peer,) + f for f in _recv(peer, item)]
-        sends = [_ctl.isend(failures, dest=peer, tag=_TAG) for peer in range(1, _size)]
-    else:
-        sends = [_ctl.isend(mine, dest=0, tag=_TAG)]
-        failures = _recv(0, item)
-    _poll(lambda: all(req.Test() for req in sends), item, "the outcome to be delivered")
+    everyone = _gather_to_all(mine, f"the other ranks to finish {item.nodeid}")
+    failures = [(r,) + f for r, fails in enumerate(everyone) for f in fails]
     if failures and all(_is_echo(f[2]) for f in failures):
         # Only PeerFailures and no rank really failed: the rank that left first skipped (e.g. a
         # TODO stub). The test is skipped, not failed.
@@ -201,7 +327,19 @@ def _skip_echoes(reports) -> None:
             rep.longrepr = (str(path), (lineno or 0) + 1, "Skipped: another rank skipped this test first")
 
 
-def _recv(peer: int, item):
+def _gather_to_all(mine, what: str, limit: float | None = None) -> list:
+    """Every rank's ``mine``, in rank order, on every rank; each wait polls (see ``_poll``)."""
+    if _rank == 0:
+        everyone = [mine] + [_recv(peer, what, limit) for peer in range(1, _size)]
+        sends = [_ctl.isend(everyone, dest=peer, tag=_TAG) for peer in range(1, _size)]
+    else:
+        sends = [_ctl.isend(mine, dest=0, tag=_TAG)]
+        everyone = _recv(0, what, limit)
+    _poll(lambda: all(req.Test() for req in sends), what, limit)
+    return everyone
+
+
+def _recv(peer: int, what: str, limit: float | None = None):
     box = []
 
     def arrived():
@@ -210,22 +348,17 @@ def _recv(peer: int, item):
             box.append(msg.recv())
         return bool(box)
 
-    _poll(arrived, item, f"rank {peer} to finish the test")
+    _poll(arrived, f"{what} (rank {peer})", limit)
     return box[0]
 
 
-def _poll(done, item, what: str) -> None:
-    """Wait (sleeping, so an idle rank leaves the core to busy ones) with the harness deadline."""
-    limit = float(os.environ.get("TINYTRAIN_TEST_TIMEOUT", "600"))
+def _poll(done, what: str, limit: float | None = None) -> None:
+    """Wait, sleeping, so an idle rank leaves the core to busy ones. Within a test the watchdog
+    bounds the wait; outside one (``limit`` given) it ends the job itself."""
     start, sleep = time.monotonic(), 1e-5
     while not done():
-        if time.monotonic() - start > limit:
-            sys.stderr.write(
-                f"\ntinytrain harness (rank {_rank}): waited {limit:.0f} s for {what} in {item.nodeid}; "
-                "aborting all ranks (TINYTRAIN_TEST_TIMEOUT)\n"
-            )
-            sys.stderr.flush()
-            _mpi().COMM_WORLD.Abort(1)
+        if limit is not None and time.monotonic() - start > limit:
+            fatal(f"waited {limit:g} s for {what} (TINYTRAIN_TEST_TIMEOUT)")
         time.sleep(sleep)
         sleep = min(sleep * 2, 2e-3)
 

@@ -3,11 +3,18 @@
 Every test runs a collective of ``impl.collectives`` (your ``assignments/a1_collectives.py``, or
 the reference) and compares each rank's result with MPI's own collective on the same data. The
 inputs -- seed, lengths, which ranks form the group -- are drawn when the test runs (all ranks
-agree on them), so only a real implementation passes. To replay a run, set the seed the failure
+agree on them), so only a real implementation passes. Every run uses the whole world, a group of
+3 ranks (not a power of two) and a random smaller group. To replay a run, set the seed the failure
 message names: ``TINYTRAIN_GRADER_SEED=1234 python -m grader``.
 
-Data are small integers stored as floats or ints, so sums are exact in any order and results are
-compared exactly. A failure says which rank, which chunk and which index, in words.
+MPI's result is computed *before* your code runs, with a deadline (``grader/mpi_reference.py``):
+if your code fails on one rank only, that rank's message is the failure, in seconds.
+
+Besides the values, the tests check what defines each algorithm, from the steps your generator
+yields (``c.exchange``): a ring step sends one chunk to the right neighbour and receives one from
+the left, n-1 steps per phase; a pairwise all-to-all step talks to one peer each way, every peer
+once. Data are small integers stored as floats or ints, so sums are exact in any order and results
+are compared exactly. A failure says which rank, which chunk and which index, in words.
 """
 
 from __future__ import annotations
@@ -15,14 +22,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from grader.mpi_reference import mpi
 from grader.seeds import grading_seed
 from tinytrain import distributed as dist
+from tinytrain.distributed import work
 from tinytrain.distributed._mpi import MPI
+from tinytrain.distributed.chunks import split_counts
 
 DTYPES = [np.float32, np.float64, np.int64]
 # Big enough that each message exceeds MPI's eager limit: a rank that sends before it posts its
 # receive then waits forever for its peer (which does the same): a deadlock, caught by the deadline.
 LARGE = 1 << 19
+
+# Three ranks are enough for everything here (a 3-rank world still has a ring, a tree and a
+# non-power-of-two group); with more ranks every test uses all of them.
+at_least_3_ranks = pytest.mark.world_size(3, at_least=True)
 
 
 def shared_seed() -> int:
@@ -40,12 +54,17 @@ class Case:
         return [int(x) for x in self.rng.integers(low, high, size=k)]
 
     def groups(self):
-        """The whole world, then one random subset of ranks; yields (group or None, its world ranks)."""
+        """The whole world, a group of 3 ranks, a random group of 1 or 2 ranks; as (group or None,
+        its world ranks). All groups are built before any of your code runs (building one waits
+        for its members, which must not be stuck in a failed test)."""
         n = dist.get_world_size()
-        size = int(self.rng.integers(1, n + 1))
-        subset = sorted(int(x) for x in self.rng.choice(n, size=size, replace=False))
-        for ranks in (list(range(n)), subset):
-            g = dist.new_group(ranks)
+        choices = [list(range(n))]
+        if n > 3:
+            choices.append(sorted(int(x) for x in self.rng.choice(n, size=3, replace=False)))
+        small = int(self.rng.integers(1, 3))
+        choices.append(sorted(int(x) for x in self.rng.choice(n, size=small, replace=False)))
+        built = [(dist.new_group(ranks), ranks) for ranks in choices]
+        for g, ranks in built:
             yield (g if dist.get_rank() in ranks else None), ranks
 
     def data(self, shape, dtype, rank: int):
@@ -55,6 +74,45 @@ class Case:
 
     def where(self, ranks, length, dtype) -> str:
         return f"(length {length}, {np.dtype(dtype).name}, group of world ranks {ranks}; seed {self.seed})"
+
+
+class Steps:
+    """Records the peers of every step your algorithm yields: ``[(send peers, recv peers), ...]``
+    per call, in group ranks."""
+
+    def __init__(self, monkeypatch):
+        self.log: list[tuple[list[int], list[int]]] = []
+        original = work.Call.exchange
+
+        def exchange(call, what, sends=(), recvs=()):
+            self.log.append(([p for _, p in sends], [p for _, p in recvs]))
+            return original(call, what, sends=sends, recvs=recvs)
+
+        monkeypatch.setattr(work.Call, "exchange", exchange)
+
+    def take(self) -> list[tuple[list[int], list[int]]]:
+        steps, self.log[:] = list(self.log), []
+        return steps
+
+
+def expect_ring(steps, g, phases: int, what: str, context: str) -> None:
+    """Each step: one chunk to the right neighbour, one from the left; n-1 steps per phase."""
+    n, r = g.size, g.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    want = phases * (n - 1)
+    rank = dist.get_rank()
+    if len(steps) != want:
+        raise AssertionError(
+            f"rank {rank}: {what} took {len(steps)} steps; a ring takes n-1 = {n - 1} steps per phase "
+            f"({want} in all) {context}"
+        )
+    for k, (sends, recvs) in enumerate(steps, 1):
+        if sends != [right] or recvs != [left]:
+            raise AssertionError(
+                f"rank {rank} (group rank {r}): step {k} of {what} sends to group ranks {sends} and receives "
+                f"from {recvs}; in a ring every step sends one chunk to the right neighbour {right} and "
+                f"receives one from the left neighbour {left} {context}"
+            )
 
 
 def first_difference(got, expected) -> int | None:
@@ -115,9 +173,9 @@ def expect_volume(stats, op: str, expected_bytes: int, formula: str, context: st
 
 
 @pytest.mark.task("1.1")
-@pytest.mark.world_size(4)
-def test_reduce_scatter_matches_mpi(impl):
-    case = Case()
+@at_least_3_ranks
+def test_reduce_scatter_matches_mpi(impl, monkeypatch):
+    case, steps = Case(), Steps(monkeypatch)
     for g, ranks in case.groups():
         lengths = case.lengths(2) + [LARGE // len(ranks)]
         for length, dtype in zip(lengths, DTYPES):
@@ -127,45 +185,45 @@ def test_reduce_scatter_matches_mpi(impl):
             counts = [length] * n  # equal pieces: piece p goes to rank p
             x = case.data(length * n, dtype, dist.get_rank())
             before = x.copy()
+            expected = np.empty(length, dtype=dtype)
+            mpi(g, "Reduce_scatter", x, expected, counts, op=MPI.SUM)
+            steps.take()
             with dist.comm_stats() as stats:
                 got = impl.collectives.reduce_scatter(x, group=g)
-            expected = np.empty(length, dtype=dtype)
-            g.comm.Reduce_scatter(x, expected, counts, op=MPI.SUM)
             context = case.where(ranks, length * n, dtype)
             expect_equal(got, expected, "reduce-scatter", context, chunk=g.rank)
             expect_equal(x, before, "reduce-scatter's input (it must stay unchanged)", context)
+            expect_ring(steps.take(), g, 1, "reduce-scatter", context)
             expect_volume(stats, "reduce_scatter", (n - 1) * length * x.itemsize, "(n-1)/n of the buffer", context)
 
 
 @pytest.mark.task("1.1")
-@pytest.mark.world_size(4)
-def test_reduce_scatter_uneven_pieces_and_max(impl):
-    case = Case()
+@at_least_3_ranks
+def test_reduce_scatter_uneven_pieces_and_max(impl, monkeypatch):
+    case, steps = Case(), Steps(monkeypatch)
     for g, ranks in case.groups():
         if g is None:
             continue
         n = g.size
         counts = case.lengths(n, low=0, high=40)
         x = case.data(sum(counts), np.float64, dist.get_rank())
-        got = impl.collectives.reduce_scatter(x, op="max", group=g, sizes=counts)
         expected = np.empty(counts[g.rank], dtype=np.float64)
-        g.comm.Reduce_scatter(x, expected, counts, op=MPI.MAX)
-        expect_equal(
-            got,
-            expected,
-            f"reduce-scatter (op=max, pieces of sizes {counts})",
-            case.where(ranks, sum(counts), np.float64),
-            chunk=g.rank,
-        )
+        mpi(g, "Reduce_scatter", x, expected, counts, op=MPI.MAX)
+        steps.take()
+        got = impl.collectives.reduce_scatter(x, op="max", group=g, sizes=counts)
+        context = case.where(ranks, sum(counts), np.float64)
+        what = f"reduce-scatter (op=max, pieces of sizes {counts})"
+        expect_equal(got, expected, what, context, chunk=g.rank)
+        expect_ring(steps.take(), g, 1, what, context)
 
 
 # --- 1.2 ring all-gather ---------------------------------------------------------------------------
 
 
 @pytest.mark.task("1.2")
-@pytest.mark.world_size(4)
-def test_all_gather_matches_mpi(impl):
-    case = Case()
+@at_least_3_ranks
+def test_all_gather_matches_mpi(impl, monkeypatch):
+    case, steps = Case(), Steps(monkeypatch)
     for g, ranks in case.groups():
         lengths = case.lengths(2) + [LARGE // len(ranks)]
         for length, dtype in zip(lengths, DTYPES):
@@ -173,44 +231,43 @@ def test_all_gather_matches_mpi(impl):
                 continue
             n = g.size
             x = case.data(length, dtype, dist.get_rank())
+            expected = np.empty(length * n, dtype=dtype)
+            mpi(g, "Allgather", x, expected)
+            steps.take()
             with dist.comm_stats() as stats:
                 got = impl.collectives.all_gather(x, group=g)
-            expected = np.empty(length * n, dtype=dtype)
-            g.comm.Allgather(x, expected)
             context = case.where(ranks, length, dtype)
             expect_equal(
                 got, expected, "all-gather", context, counts=[length] * n, chunk_word="the piece of group rank"
             )
+            expect_ring(steps.take(), g, 1, "all-gather", context)
             expect_volume(stats, "all_gather", (n - 1) * length * x.itemsize, "(n-1)/n of the gathered buffer", context)
 
 
 @pytest.mark.task("1.2")
-@pytest.mark.world_size(4)
-def test_all_gather_uneven_pieces(impl):
-    case = Case()
+@at_least_3_ranks
+def test_all_gather_uneven_pieces(impl, monkeypatch):
+    case, steps = Case(), Steps(monkeypatch)
     for g, ranks in case.groups():
         if g is None:
             continue
         counts = case.lengths(g.size, low=0, high=40)
         x = case.data((counts[g.rank], 3), np.int64, dist.get_rank())
-        got = impl.collectives.all_gather(x, group=g, sizes=counts)
         expected = np.empty((sum(counts), 3), dtype=np.int64)
-        g.comm.Allgatherv(x, [expected, [3 * c for c in counts]])
-        expect_equal(
-            got,
-            expected,
-            f"all-gather (pieces of {counts} rows)",
-            case.where(ranks, sum(counts), np.int64),
-            counts=[3 * c for c in counts],
-            chunk_word="the piece of group rank",
-        )
+        mpi(g, "Allgatherv", x, [expected, [3 * c for c in counts]])
+        steps.take()
+        got = impl.collectives.all_gather(x, group=g, sizes=counts)
+        context = case.where(ranks, sum(counts), np.int64)
+        what = f"all-gather (pieces of {counts} rows)"
+        expect_equal(got, expected, what, context, counts=[3 * c for c in counts], chunk_word="the piece of group rank")
+        expect_ring(steps.take(), g, 1, what, context)
 
 
 # --- 1.3 all-reduce composed of the two ------------------------------------------------------------
 
 
 @pytest.mark.task("1.3")
-@pytest.mark.world_size(4)
+@at_least_3_ranks
 def test_ring_all_reduce_matches_mpi_and_is_composed(impl, monkeypatch):
     mod = impl.collectives
     calls = {"_ring_reduce_scatter": 0, "_ring_all_gather": 0}
@@ -222,21 +279,24 @@ def test_ring_all_reduce_matches_mpi_and_is_composed(impl, monkeypatch):
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(mod, name, counted)
-    case = Case()
+    case, steps = Case(), Steps(monkeypatch)
     for g, ranks in case.groups():
-        for length, dtype in zip(case.lengths(2) + [LARGE], DTYPES):
+        # Lengths not divisible by the group size (one that is, too): chunks of split_counts sizes.
+        lengths = case.lengths(2) + [LARGE + int(case.rng.integers(0, 3))]
+        for length, dtype in zip(lengths, DTYPES):
             if g is None:
                 continue
             n = g.size
-            length -= length % n  # divisible, so the textbook volume holds exactly
             x = case.data(length, dtype, dist.get_rank())
             expected = np.empty_like(x)
-            g.comm.Allreduce(x, expected, op=MPI.SUM)
+            mpi(g, "Allreduce", x, expected, op=MPI.SUM)
             before = dict(calls)
+            steps.take()
             with dist.comm_stats() as stats:
                 got = mod.all_reduce(x, group=g, algo="ring")
-            context = case.where(ranks, length, dtype)
-            expect_equal(got, expected, "all-reduce", context, counts=list(mod.split_counts(length, n)))
+            counts = split_counts(length, n)
+            context = case.where(ranks, length, dtype) + f", chunks of {sorted(set(counts))} elements"
+            expect_equal(got, expected, "all-reduce", context, counts=counts)
             if n > 1 and (
                 calls["_ring_reduce_scatter"] == before["_ring_reduce_scatter"]
                 or calls["_ring_all_gather"] == before["_ring_all_gather"]
@@ -245,28 +305,61 @@ def test_ring_all_reduce_matches_mpi_and_is_composed(impl, monkeypatch):
                     f"rank {dist.get_rank()}: the ring all-reduce must call _ring_reduce_scatter "
                     f"and then _ring_all_gather (calls: {calls}) {context}"
                 )
-            expect_volume(
-                stats, "all_reduce", 2 * (n - 1) * (length // n) * x.itemsize, "2(n-1)/n of the buffer", context
-            )
+            expect_ring(steps.take(), g, 2, "ring all-reduce (reduce-scatter, then all-gather)", context)
+            # Every chunk but one in each phase, whichever two chunks this rank skips.
+            skipped = {counts[a] + counts[b] for a in range(n) for b in range(n) if a != b} or {0}
+            volumes = {(2 * length - k) * x.itemsize for k in skipped} if n > 1 else {0}
+            if stats.sent("all_reduce") not in volumes:
+                expect_volume(
+                    stats,
+                    "all_reduce",
+                    (2 * length - 2 * max(counts)) * x.itemsize,
+                    "every chunk but one in each of the two phases (about 2(n-1)/n of the buffer)",
+                    context,
+                )
 
 
 # --- 1.4 all-to-all --------------------------------------------------------------------------------
 
 
+def expect_pairwise(steps, g, what: str, context: str, rounds=(1,)) -> None:
+    """n-1 steps per round; in each one message to one peer and one from one peer; every other
+    rank once each way per round. (An all-to-all of unknown sizes may first exchange the sizes in
+    a round of its own: ``rounds=(1, 2)``.)"""
+    n, rank = g.size, dist.get_rank()
+    shown = [(s, r) for s, r in steps]
+    if n == 1 and not steps:
+        return
+    if len(steps) not in [k * (n - 1) for k in rounds] or any(len(s) != 1 or len(r) != 1 for s, r in steps):
+        raise AssertionError(
+            f"rank {rank}: {what} took the steps (send to, receive from) {shown}; a pairwise exchange "
+            f"takes n-1 = {n - 1} steps, each sending to one peer and receiving from one {context}"
+        )
+    others = sorted(set(range(n)) - {g.rank})
+    for k in range(0, len(steps), n - 1):
+        round_ = steps[k : k + n - 1]
+        if sorted(s[0] for s, _ in round_) != others or sorted(r[0] for _, r in round_) != others:
+            raise AssertionError(
+                f"rank {rank}: {what} took the steps (send to, receive from) {shown}; over n-1 steps each "
+                f"other group rank {others} must be sent to once and received from once {context}"
+            )
+
+
 @pytest.mark.task("1.4")
-@pytest.mark.world_size(4)
-def test_all_to_all_matches_mpi(impl):
-    case = Case()
+@at_least_3_ranks
+def test_all_to_all_matches_mpi(impl, monkeypatch):
+    case, steps = Case(), Steps(monkeypatch)
     for g, ranks in case.groups():
         for length, dtype in zip(case.lengths(2) + [LARGE // len(ranks)], DTYPES):
             if g is None:
                 continue
             n = g.size
             x = case.data(length * n, dtype, dist.get_rank())
+            expected = np.empty_like(x)
+            mpi(g, "Alltoall", x, expected)
+            steps.take()
             with dist.comm_stats() as stats:
                 got = impl.collectives.all_to_all(x, group=g)
-            expected = np.empty_like(x)
-            g.comm.Alltoall(x, expected)
             context = case.where(ranks, length * n, dtype)
             expect_equal(
                 got,
@@ -276,13 +369,14 @@ def test_all_to_all_matches_mpi(impl):
                 counts=[length] * n,
                 chunk_word="the block received from group rank",
             )
+            expect_pairwise(steps.take(), g, "all-to-all", context)
             expect_volume(stats, "all_to_all", (n - 1) * length * x.itemsize, "every block but your own", context)
 
 
 @pytest.mark.task("1.4")
-@pytest.mark.world_size(4)
-def test_all_to_all_uneven_splits(impl):
-    case = Case()
+@at_least_3_ranks
+def test_all_to_all_uneven_splits(impl, monkeypatch):
+    case, steps = Case(), Steps(monkeypatch)
     for g, ranks in case.groups():
         if g is None:
             continue
@@ -291,25 +385,24 @@ def test_all_to_all_uneven_splits(impl):
         table = np.random.default_rng([case.seed, n]).integers(0, 20, size=(n, n))
         send, recv = [int(c) for c in table[g.rank]], [int(c) for c in table[:, g.rank]]
         x = case.data((sum(send), 2), np.float32, dist.get_rank())
-        got = impl.collectives.all_to_all(x, send_sizes=send, group=g)
         expected = np.empty((sum(recv), 2), dtype=np.float32)
         sdispl, rdispl = np.cumsum([0] + send[:-1]) * 2, np.cumsum([0] + recv[:-1]) * 2
-        g.comm.Alltoallv([x, ([2 * c for c in send], sdispl)], [expected, ([2 * c for c in recv], rdispl)])
+        mpi(g, "Alltoallv", [x, ([2 * c for c in send], sdispl)], [expected, ([2 * c for c in recv], rdispl)])
+        steps.take()
+        got = impl.collectives.all_to_all(x, send_sizes=send, group=g)
+        context = case.where(ranks, sum(send), np.float32)
+        what = f"all-to-all (send_sizes {send})"
         expect_equal(
-            got,
-            expected,
-            f"all-to-all (send_sizes {send})",
-            case.where(ranks, sum(send), np.float32),
-            counts=[2 * c for c in recv],
-            chunk_word="the block received from group rank",
+            got, expected, what, context, counts=[2 * c for c in recv], chunk_word="the block received from group rank"
         )
+        expect_pairwise(steps.take(), g, what, context, rounds=(1, 2))
 
 
 # --- 1.5 broadcast ---------------------------------------------------------------------------------
 
 
 @pytest.mark.task("1.5")
-@pytest.mark.world_size(4)
+@at_least_3_ranks
 def test_tree_broadcast_matches_mpi_from_every_root(impl):
     case = Case()
     for g, ranks in case.groups():
@@ -319,7 +412,7 @@ def test_tree_broadcast_matches_mpi_from_every_root(impl):
             for root in range(g.size):
                 x = case.data(length, dtype, dist.get_rank())
                 expected = x.copy()
-                g.comm.Bcast(expected, root=root)
+                mpi(g, "Bcast", expected, root=root)
                 with dist.comm_stats() as stats:
                     got = impl.collectives.broadcast(x, src=root, group=g, algo="tree")
                 context = case.where(ranks, length, dtype) + f", root {root}"

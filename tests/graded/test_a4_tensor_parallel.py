@@ -9,12 +9,10 @@ sends against the ring formulas.
 
 from __future__ import annotations
 
-import os
-import secrets
-
 import numpy as np
 import pytest
 
+from grader.seeds import grading_seed
 from tinytrain import distributed as dist
 from tinytrain import functional as F
 from tinytrain import random as _random
@@ -29,10 +27,7 @@ RTOL, ATOL = 1e-4, 1e-6  # float32, sums in another order than serial
 
 def shared_rng():
     """A generator every rank draws identically, from a seed drawn now (or TINYTRAIN_GRADER_SEED)."""
-    fixed = os.environ.get("TINYTRAIN_GRADER_SEED")
-    seed = int(fixed) if fixed else secrets.randbits(31)
-    if dist.is_initialized():
-        seed = int(dist.world().comm.bcast(seed, root=0))
+    seed = grading_seed()
     return np.random.default_rng(seed), seed
 
 

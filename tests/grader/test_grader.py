@@ -21,9 +21,10 @@ from grader.config import ROOT, is_release, load_rubric
 from grader.run import mpi_environment
 from grader.stubs import assignment_text, assignment_texts
 
-pytestmark = pytest.mark.skipif(
-    is_release(), reason="grader self-tests need the reference solution (not in a student copy)"
-)
+pytestmark = [
+    pytest.mark.skipif(is_release(), reason="grader self-tests need the reference solution (not in a student copy)"),
+    pytest.mark.deadline(600),  # each runs python -m grader (the first one grades every assignment)
+]
 
 RUBRIC = load_rubric()
 A1 = RUBRIC.assignments["1"]

@@ -13,7 +13,10 @@ from grader.release import make_release
 from grader.run import mpi_environment
 from grader.stubs import BEGIN
 
-pytestmark = pytest.mark.skipif(is_release(), reason="releases are made from the instructors' repository")
+pytestmark = [
+    pytest.mark.skipif(is_release(), reason="releases are made from the instructors' repository"),
+    pytest.mark.deadline(600),  # runs the grader and a test suite inside a release copy
+]
 RUBRIC = load_rubric()
 
 

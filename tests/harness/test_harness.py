@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from tinytrain import distributed as dist
 
-pytestmark = pytest.mark.world_size(4)
+pytestmark = [pytest.mark.world_size(4), pytest.mark.deadline(300)]  # each starts its own mpirun
 
 def test_01_ok():
     x = np.full(5, dist.get_rank(), dtype=np.float32)
@@ -156,3 +156,50 @@ def test_world_size_marker_skips_with_advice_extra_ranks_sit_out_and_any_rank_ca
     assert "needs 2 MPI ranks: run with mpirun -n 2" in out
     assert "1 passed, 3 skipped" in out, out
     assert proc.returncode == 0, out
+
+
+@needs_mpirun
+def test_a_rank_stuck_in_pure_python_ends_the_job_at_the_deadline_with_every_ranks_stacks(tmp_path):
+    source = """
+    import pytest
+    from grader.seeds import grading_seed
+    from tinytrain import distributed as dist
+
+    @pytest.mark.world_size(4)
+    def test_rank_2_loops_forever():
+        grading_seed()
+        if dist.get_rank() == 2:
+            while True:
+                pass
+        dist.all_reduce(dist.get_rank() * 1.0 + __import__("numpy").zeros(4))
+
+    def test_never_reached():
+        pass
+    """
+    proc, out, seconds = run_pytest(tmp_path, source, 4, TINYTRAIN_TIMEOUT="2", TINYTRAIN_TEST_TIMEOUT="6")
+    assert proc.returncode == 87, out  # EXIT_DEADLINE, not pytest's "tests failed"
+    for rank in range(4):
+        assert (
+            f"=== tinytrain harness, rank {rank}: test_injected.py::test_rank_2_loops_forever is still running" in out
+        )
+    assert re.search(r"in test_rank_2_loops_forever\n", out), out  # rank 2's stack shows the loop's frame
+    assert "replay: TINYTRAIN_GRADER_SEED=" in out, out
+    assert seconds < 40, f"took {seconds:.0f} s\n{out}"
+
+
+@needs_mpirun
+def test_an_error_escaping_the_harness_on_one_rank_ends_the_job_at_once_saying_it_once(tmp_path):
+    source = """
+    from tinytrain.distributed._mpi import MPI
+
+    if MPI.COMM_WORLD.Get_rank() == 3:
+        import no_such_module_on_rank_3  # noqa: F401
+
+    def test_one():
+        pass
+    """
+    proc, out, seconds = run_pytest(tmp_path, source, 4)
+    assert proc.returncode == 86, out  # EXIT_ERROR
+    assert out.count("the ranks collected different tests") == 1, out
+    assert "rank 3: 0 tests, collection error" in out and "no_such_module_on_rank_3" in out, out
+    assert seconds < 30, f"took {seconds:.0f} s\n{out}"
