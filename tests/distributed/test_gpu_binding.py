@@ -29,7 +29,7 @@ def test_tinytrain_gpu_overrides_on_every_rank(monkeypatch):
 
 def test_select_device_uses_the_count_and_is_a_no_op_on_the_cpu(monkeypatch):
     monkeypatch.delenv("TINYTRAIN_GPU", raising=False)
-    if not backend.on_gpu:
+    if not backend.on_device:
         assert backend.select_device_for_rank(3) is None
         assert backend.gpu_count() == 0
         return
@@ -55,9 +55,9 @@ def test_init_binds_the_rank_to_its_gpu(monkeypatch):
     monkeypatch.setattr(group, "_install_excepthook", lambda: None)
     monkeypatch.setattr(backend, "select_device_for_rank", lambda local: chosen.append(local) or local % 2)
     monkeypatch.setenv("MPI_LOCALRANKID", "5")
-    monkeypatch.setattr(backend, "on_gpu", True)
+    monkeypatch.setattr(backend, "on_device", True)
     group.init()
     assert chosen == [5]
-    monkeypatch.setattr(backend, "on_gpu", False)
+    monkeypatch.setattr(backend, "on_device", False)
     group.init()
     assert chosen == [5]  # on the CPU nothing is bound

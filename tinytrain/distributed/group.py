@@ -104,7 +104,7 @@ def local_rank(comm) -> int:
 
 def _bind_gpu(comm) -> int | None:
     """Each rank on a node its own GPU (a no-op on the CPU). Returns the GPU index or None."""
-    if not backend.on_gpu:
+    if not backend.on_device:
         return None
     return backend.select_device_for_rank(local_rank(comm))
 

@@ -13,16 +13,26 @@ Public calls (peers are ranks *of the group*, the world by default)::
 :class:`Exchange` is the building block the collectives use: a few sends and receives posted
 together that complete together (one "step" of an algorithm).
 
-GPU arrays (CuPy): MPI reads and writes memory directly, outside any CUDA stream, so we
-``synchronize()`` before handing it a device buffer. If MPI is CUDA-aware we pass the device
-buffer itself; otherwise we stage through host memory (copy to host before a send, copy back to
-the device after a receive completes). Detection: ``TINYTRAIN_CUDA_AWARE_MPI=0|1`` if set, else
+GPU arrays (CuPy, or the strict stand-in of ``tinytrain.backend.strict``): MPI reads and writes
+memory directly, outside any CUDA stream, so we ``synchronize()`` before handing it a device
+buffer. If MPI is CUDA-aware we pass the device buffer itself (``backend.device_buffer``);
+otherwise we stage through host memory: one copy to the host before a send, one copy back to the
+device after a receive completes. Detection: ``TINYTRAIN_CUDA_AWARE_MPI=0|1`` if set, else
 ``MPIX_Query_cuda_support`` when the MPI library has it, else no.
+
+Every receive checks what arrived: MPI tells how many bytes a message carried, and a step knows
+how many it expects (the buffer it posted). A difference means the ranks called the operation with
+different sizes or dtypes; MPI leaves that undefined (garbage on some ranks, silence on others), so
+we raise :class:`MessageSizeMismatch` on the rank that saw it, naming both ranks, the operation, the
+step and the sizes. It costs one ``MPI_Get_count`` per message (``tinytrain bench collectives
+--receive-check`` measures it). An MPI error inside a step ("Message truncated": the peer sent
+more than the buffer holds) is re-raised the same way, as :class:`CommError`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy
 
@@ -75,7 +85,19 @@ def cuda_aware() -> bool:
 
 
 def _is_device(arr) -> bool:
-    return backend.on_gpu and not isinstance(arr, numpy.ndarray)
+    return backend.on_device and not isinstance(arr, numpy.ndarray)
+
+
+class CommError(watchdog.DistributedError):
+    """MPI reported an error inside a step (e.g. "Message truncated"); the message says where."""
+
+
+class MessageSizeMismatch(CommError, watchdog.CollectiveMismatch):
+    """A message carried a different number of bytes than the receiving step expected."""
+
+
+# Switched off only by ``tinytrain bench collectives --receive-check``, to measure what it costs.
+check_receives = True
 
 
 # --- one step: some sends and receives that complete together -------------------------------------
@@ -88,21 +110,22 @@ class Exchange:
     error messages. ``what`` names the algorithm step ("ring all-gather step 2/3").
     """
 
-    __slots__ = ("group", "op", "what", "reqs", "labels", "after", "start", "nbytes")
+    __slots__ = ("group", "op", "what", "reqs", "labels", "after", "start", "nbytes", "expect", "status")
 
     def __init__(self, group, op: str, what: str):
         self.group, self.op, self.what = group, op, what
         self.reqs, self.labels, self.after = [], [], []
         self.start = trace.now() if trace.enabled else 0.0
         self.nbytes = 0
+        self.expect = []  # per request: the receive buffer (checked on arrival), or None for a send
+        self.status = None  # one MPI.Status, reused by every receive of the step
 
     def send(self, buf, peer: int, tag: int) -> None:
         if _is_device(buf):
             backend.synchronize()  # the kernel writing buf must finish before MPI reads it
-            if not cuda_aware():
-                buf = backend.to_host(buf)  # a host copy; kept alive by the request below
-        self.reqs.append(self.group.comm.Isend(buf, dest=peer, tag=tag))
-        self.labels.append(("send to", self.group.world_rank(peer)))
+            # A host copy (kept alive by the request below), or the device memory itself.
+            buf = backend.device_buffer(buf) if cuda_aware() else backend.to_host(buf)
+        self._post(lambda: self.group.comm.Isend(buf, dest=peer, tag=tag), "send to", peer, buf, None)
         stats.count_send(self.group.name, self.op, buf.nbytes, peer=self.group.world_rank(peer))
         self.nbytes += buf.nbytes
 
@@ -110,18 +133,28 @@ class Exchange:
         target = buf
         if _is_device(buf):
             backend.synchronize()  # nothing may still be writing the buffer MPI is about to fill
-            if not cuda_aware():
+            if cuda_aware():
+                target = backend.device_buffer(buf)
+            else:
                 target = numpy.empty(buf.shape, dtype=buf.dtype)
                 self.after.append(lambda: buf.__setitem__(Ellipsis, backend.asarray(target)))
-        self.reqs.append(self.group.comm.Irecv(target, source=peer, tag=tag))
-        self.labels.append(("recv from", self.group.world_rank(peer)))
+        self._post(lambda: self.group.comm.Irecv(target, source=peer, tag=tag), "recv from", peer, buf, buf)
         stats.count_recv(self.group.name, self.op, buf.nbytes, peer=self.group.world_rank(peer))
+
+    def _post(self, start, label: str, peer: int, buf, expect) -> None:
+        try:
+            req = start()
+        except MPI.Exception as exc:
+            raise self._mpi_error(exc, f"posting a {label.split()[0]} of {_describe(buf)} to/from", peer) from exc
+        self.reqs.append(req)
+        self.labels.append((label, self.group.world_rank(peer)))
+        self.expect.append(expect)
 
     def test(self) -> bool:
         """Poll MPI; True (and staged data copied back) once every message has completed."""
         reqs = self.reqs
         for i, req in enumerate(reqs):
-            if req is not None and req.Test():
+            if req is not None and self._test(i, req):
                 reqs[i] = None
         if any(r is not None for r in reqs):
             return False
@@ -143,8 +176,77 @@ class Exchange:
             self.labels = []
         return True
 
+    def _test(self, i: int, req) -> bool:
+        """Has request ``i`` completed? A completed receive is checked against what it expected."""
+        expect = self.expect[i]
+        if expect is None or not check_receives:
+            try:
+                return req.Test()
+            except MPI.Exception as exc:
+                raise self._failed(i, exc) from exc
+        status = self.status or MPI.Status()
+        self.status = status
+        try:
+            if not req.Test(status):
+                return False
+        except MPI.Exception as exc:
+            raise self._failed(i, exc) from exc
+        got = status.Get_count(MPI.BYTE)
+        if got != expect.nbytes:
+            raise self._mismatch(i, got)
+        return True
+
+    def _where(self, label: str, peer_world: int) -> str:
+        me = self.group.world_rank(self.group.rank)
+        return f"{self.op} on {self.group.describe()}, {self.what}: rank {me} {label} rank {peer_world}{_caller()}"
+
+    def _mismatch(self, i: int, got: int) -> MessageSizeMismatch:
+        self.group.broken = f"MessageSizeMismatch in {self.op}"
+        label, peer = self.labels[i]
+        buf = self.expect[i]
+        return MessageSizeMismatch(
+            f"{self._where(label, peer)}: {got} bytes arrived, but this rank expected {buf.nbytes} bytes "
+            f"({_describe(buf)}). Rank {peer} called {self.op} with a different size or dtype than this rank; "
+            "every rank of the group must pass matching shapes and dtypes (TINYTRAIN_DEBUG=1 names both calls)."
+        )
+
+    def _failed(self, i: int, exc) -> CommError:
+        self.group.broken = f"CommError in {self.op}"
+        label, peer = self.labels[i]
+        buf = self.expect[i]
+        if buf is None:
+            return CommError(f"{self._where(label, peer)}: MPI failed: {exc}")
+        if exc.Get_error_class() == MPI.ERR_TRUNCATE:
+            return MessageSizeMismatch(
+                f"{self._where(label, peer)}: MPI failed: {exc}. Rank {peer} sent more than the {buf.nbytes} bytes "
+                f"this rank expected ({_describe(buf)}): it called {self.op} with a larger size or dtype; every rank "
+                "of the group must pass matching shapes and dtypes (TINYTRAIN_DEBUG=1 names both calls)."
+            )
+        return CommError(f"{self._where(label, peer)}, expecting {_describe(buf)}: MPI failed: {exc}")
+
+    def _mpi_error(self, exc, doing: str, peer: int) -> CommError:
+        return CommError(
+            f"{self.op} on {self.group.describe()}, {self.what}: MPI failed {doing} rank "
+            f"{self.group.world_rank(peer)}: {exc}{_caller()}"
+        )
+
     def pending(self) -> list[tuple[str, int]]:
         return [label for req, label in zip(self.reqs, self.labels) if req is not None]
+
+
+def _describe(buf) -> str:
+    return f"{buf.size} x {buf.dtype}, {buf.nbytes} bytes"
+
+
+def _caller() -> str:
+    """', called from FILE:LINE' for the innermost frame outside tinytrain.distributed (only on errors)."""
+    frame = sys._getframe(1)
+    inside = os.path.dirname(__file__)
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame = frame.f_back
+    if frame is None:  # driven by the progress thread: the caller's stack is not ours to see
+        return ""
+    return f" (called from {frame.f_code.co_filename}:{frame.f_lineno})"
 
 
 # --- the public point-to-point calls ---------------------------------------------------------------

@@ -4,9 +4,15 @@ Everything else in tinytrain writes ``from tinytrain.backend import xp`` and cal
 ``xp.exp`` and so on; no other module imports cupy. The choice is made once, at import time, from
 the environment variable ``TINYTRAIN_DEVICE``:
 
-    cpu   NumPy (the default when no GPU is usable)
-    gpu   CuPy; a missing CuPy or an unusable GPU is a clear error, never a CUDA traceback
-    auto  CuPy when ``cupy.cuda.is_available()``, else NumPy          (the default setting)
+    cpu     NumPy (the default when no GPU is usable)
+    gpu     CuPy; a missing CuPy or an unusable GPU is a clear error, never a CUDA traceback
+    auto    CuPy when ``cupy.cuda.is_available()``, else NumPy          (the default setting)
+    strict  the strict stand-in for CuPy (``strict.py``): every GPU code path below runs, on NumPy
+            numbers, and host<->device copies must be explicit; for CI, which has no GPU
+
+On a device (``gpu`` or ``strict``) arrays live in device memory: ``to_host`` copies them back,
+``synchronize`` waits for queued work, and MPI gets device memory only through
+:func:`device_buffer` (see ``tinytrain.distributed.p2p`` for when it is staged through the host).
 
 Under MPI, each rank on a node gets its own GPU: ``tinytrain.distributed.init()`` calls
 :func:`select_device_for_rank` with the rank's *local* rank (its rank among the ranks on the same
@@ -21,7 +27,7 @@ import os
 
 import numpy
 
-_CHOICES = ("cpu", "gpu", "auto")
+_CHOICES = ("cpu", "gpu", "auto", "strict")
 
 
 class BackendError(RuntimeError):
@@ -68,7 +74,7 @@ def _load_cupy():
             raise BackendError("no CUDA device is visible")
         # Pick this rank's GPU before the first touch (which creates a CUDA context on the current
         # device), so that ranks do not all start a context on GPU 0. init() confirms the choice.
-        cupy.cuda.Device(gpu_for_rank(_launcher_local_rank(), cupy.cuda.runtime.getDeviceCount())).use()
+        _use_launcher_gpu(cupy)
         cupy.zeros(1).sum().item()  # touch the device: fails here, not deep inside a model
     except BackendError as exc:
         raise BackendError(
@@ -83,24 +89,38 @@ def _load_cupy():
     return cupy
 
 
+def _use_launcher_gpu(module) -> None:
+    """Make this rank's GPU current before the first touch (which creates a CUDA context on the
+    current device), so that ranks do not all start a context on GPU 0. init() confirms the choice."""
+    module.cuda.Device(gpu_for_rank(_launcher_local_rank(), module.cuda.runtime.getDeviceCount())).use()
+
+
 def _choose():
+    """(array module, device name, why it was chosen)."""
     setting = os.environ.get("TINYTRAIN_DEVICE", "auto").strip().lower() or "auto"
     if setting not in _CHOICES:
         raise BackendError(f"TINYTRAIN_DEVICE={setting!r} is not one of {', '.join(_CHOICES)}.")
     if setting == "cpu":
-        return numpy, "cpu"
+        return numpy, "cpu", "TINYTRAIN_DEVICE=cpu"
     if setting == "gpu":
-        return _load_cupy(), "gpu"
+        return _load_cupy(), "gpu", "TINYTRAIN_DEVICE=gpu"
+    if setting == "strict":
+        from . import strict
+
+        _use_launcher_gpu(strict.xp)
+        return strict.xp, "strict", "TINYTRAIN_DEVICE=strict (the strict stand-in for CuPy, NumPy underneath)"
     try:  # auto: a GPU if one really works, else quietly the CPU
-        return _load_cupy(), "gpu"
-    except BackendError:
-        return numpy, "cpu"
+        return _load_cupy(), "gpu", "TINYTRAIN_DEVICE=auto and CuPy found a working GPU"
+    except BackendError as exc:
+        return numpy, "cpu", f"TINYTRAIN_DEVICE=auto and no usable GPU ({exc})"
 
 
-xp, device = _choose()
-"""``xp`` is numpy or cupy; ``device`` is "cpu" or "gpu"."""
+xp, device, device_reason = _choose()
+"""``xp`` is numpy, cupy or the strict stand-in; ``device`` is "cpu", "gpu" or "strict";
+``device_reason`` says why (``tinytrain doctor`` prints it)."""
 
-on_gpu = device == "gpu"
+on_gpu = device == "gpu"  # real CuPy
+on_device = device != "cpu"  # arrays live in (real or stand-in) device memory
 
 
 def is_array(obj) -> bool:
@@ -114,9 +134,9 @@ def asarray(obj, dtype=None):
 
 
 def to_host(arr) -> numpy.ndarray:
-    """A NumPy array with the same values (no copy on the CPU)."""
-    if on_gpu and isinstance(arr, xp.ndarray):
-        return xp.asnumpy(arr)
+    """A NumPy array with the same values (a device-to-host copy on a device; no copy on the CPU)."""
+    if on_device and isinstance(arr, xp.ndarray):
+        return xp.asnumpy(arr)  # cupy.asnumpy: waits for the current stream, then copies
     return numpy.asarray(arr)
 
 
@@ -126,28 +146,56 @@ def synchronize() -> None:
     MPI reads buffers directly, outside any CUDA stream, so a kernel that is still writing a buffer
     must finish before the buffer is handed to MPI.
     """
-    if on_gpu:
+    if on_device:
         xp.cuda.get_current_stream().synchronize()
+
+
+def device_buffer(arr):
+    """What a CUDA-aware MPI is handed for device array ``arr``: the array itself for CuPy (mpi4py
+    reads its ``__cuda_array_interface__``); the stand-in's memory, once synchronized, under strict."""
+    if device == "strict":
+        from . import strict
+
+        return strict.device_buffer(arr)
+    return arr
+
+
+def _scatter_add():
+    if on_gpu:
+        import cupyx  # part of the cupy package
+
+        return cupyx.scatter_add
+    if device == "strict":
+        from . import strict
+
+        return strict.cupyx.scatter_add
+    return None
+
+
+_device_scatter_add = _scatter_add()
 
 
 def index_add(target, index, values) -> None:
     """``target[index] += values`` with repeated indices summed (``np.add.at``), in place."""
-    if on_gpu:
-        import cupyx  # part of the cupy package
-
-        cupyx.scatter_add(target, index, values)
+    if _device_scatter_add is not None:
+        _device_scatter_add(target, index, values)  # cupyx.scatter_add(a, slices, value)
     else:
         numpy.add.at(target, index, values)
 
 
 def gpu_count() -> int:
     """How many GPUs this process sees (0 on the CPU backend)."""
-    return xp.cuda.runtime.getDeviceCount() if on_gpu else 0
+    return xp.cuda.runtime.getDeviceCount() if on_device else 0
+
+
+def current_gpu() -> int | None:
+    """The index of this thread's current GPU, or None on the CPU."""
+    return xp.cuda.Device().id if on_device else None
 
 
 def select_device_for_rank(local_rank: int) -> int | None:
     """Bind this process to its GPU (:func:`gpu_for_rank`); return the index, or None on the CPU."""
-    if not on_gpu:
+    if not on_device:
         return None
     dev = gpu_for_rank(local_rank, gpu_count())
     xp.cuda.Device(dev).use()
@@ -156,7 +204,7 @@ def select_device_for_rank(local_rank: int) -> int | None:
 
 def default_rng(seed):
     """A seeded random Generator of the active library (``seed`` may be an int or a tuple)."""
-    if on_gpu:
+    if on_device:
         # CuPy's Generator takes an int seed; fold a tuple into one deterministically.
         seed = int(numpy.random.SeedSequence(seed).generate_state(1)[0])
     return xp.random.default_rng(seed)
