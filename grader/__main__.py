@@ -3,7 +3,7 @@
     python -m grader                         # grade assignments/ on 4 ranks, print the score table
     python -m grader --tasks 1.1 1.3         # only some tasks (globs: 1.*)
     python -m grader --impl reference        # the reference must score full marks
-    python -m grader --out results/          # where results.json and junit.xml go (default: .)
+    python -m grader --out results/          # where results.json and junit.xml go (default: out/grader)
     python -m grader stubs [--check]         # regenerate assignments/ from the reference markers
     python -m grader release OUT             # a solution-free copy of the repository for students
 
@@ -18,8 +18,10 @@ import time
 from pathlib import Path
 
 from . import guard, report
-from .config import load_rubric
-from .run import RunOptions, run_tests
+from .config import ROOT, load_rubric
+from .run import RunOptions, harness_deadline, run_tests
+
+DEFAULT_OUT = ROOT / "out" / "grader"  # /out/ is in .gitignore: grading leaves the repository clean
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,12 +39,18 @@ def _parser() -> argparse.ArgumentParser:
         help="grade your assignment files (default) or the reference solution",
     )
     p.add_argument("--assignments", metavar="DIR", help="grade the assignment files in DIR instead of assignments/")
-    p.add_argument("--out", metavar="DIR", default=".", help="where results.json and junit.xml go (default: .)")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default=str(DEFAULT_OUT),
+        help="where results.json and junit.xml go (default: out/grader, which git ignores)",
+    )
     p.add_argument(
         "--timeout",
         type=float,
         default=60.0,
-        help="seconds without a finished test before a run counts as hung (default 60)",
+        help="budget of one test in seconds (default 60): the harness ends a test at 70%% of it with every "
+        "rank's Python stacks; the grader kills a run that is still going at 100%%",
     )
     p.add_argument(
         "--comm-timeout",
@@ -81,6 +89,14 @@ class Progress:
 
 def grade(args) -> int:
     rubric = load_rubric()
+    if not 0 < args.comm_timeout < harness_deadline(args.timeout):
+        print(
+            f"error: --comm-timeout {args.comm_timeout:g} must be positive and below the harness's deadline "
+            f"{harness_deadline(args.timeout):.3g} s (70% of --timeout {args.timeout:g}); raise --timeout or "
+            "lower --comm-timeout",
+            file=sys.stderr,
+        )
+        return 2
     try:
         tasks = rubric.select(args.tasks)
     except ValueError as exc:

@@ -40,7 +40,7 @@ from typing import ClassVar
 
 import pytest
 
-from . import guard
+from . import guard, seeds
 from .config import ROOT, is_release, load_rubric
 
 _rubric = load_rubric()
@@ -205,6 +205,20 @@ def pytest_runtest_makereport(item, call):
         reason = todo if not task or todo.startswith(f"TODO {task}:") else f"{todo} (needed by task {task})"
         rep.outcome = "skipped"
         rep.longrepr = (str(item.path), item.location[1] or 0, reason)
+    elif rep.failed:
+        _add_replay_hint(rep)
+
+
+def _add_replay_hint(rep) -> None:
+    """Every failure of a test that drew a seed says how to replay it -- an exception raised in
+    the student's code (an MPI error, an IndexError) as much as an assertion that names it."""
+    hint = seeds.replay_hint()
+    crash = getattr(rep.longrepr, "reprcrash", None)
+    if not hint or crash is None or str(seeds.drawn[0]) in crash.message:
+        return
+    first, newline, rest = crash.message.strip().partition("\n")  # the first line is what is shown
+    crash.message = f"{first} [{hint}]{newline}{rest}"
+    rep.sections.append(("replay", hint))
 
 
 # --- the results log for python -m grader ----------------------------------------------------------
@@ -239,6 +253,7 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_logstart(nodeid, location):
+    seeds.drawn.clear()  # the seeds this test draws, for its failure messages
     if _log:
         _log.reports[nodeid] = []
         _log.write(event="start", nodeid=nodeid)
@@ -253,6 +268,11 @@ def pytest_runtest_logfinish(nodeid, location):
     if _log:
         outcome, message, text = summarize(_log.reports.pop(nodeid, []))
         _log.write(event="done", nodeid=nodeid, outcome=outcome, message=message, output=text)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _log:  # the run ended normally: python -m grader counts only such runs as finished
+        _log.write(event="finished", status=int(exitstatus))
 
 
 def summarize(reports) -> tuple[str, str, str]:

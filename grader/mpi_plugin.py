@@ -48,11 +48,9 @@ os.environ.setdefault("TINYTRAIN_DEBUG", "1")
 import pytest  # noqa: E402
 from _pytest.runner import runtestprotocol  # noqa: E402
 
+from .exits import EXIT_DEADLINE, EXIT_ERROR  # noqa: E402
+
 _TAG = 11
-# Exit statuses of an aborted run (mpirun passes MPI_Abort's code on); python -m grader tells them
-# apart from pytest's own (0 passed, 1 tests failed, 2 interrupted, 5 none collected).
-EXIT_ERROR = 86  # an exception escaped the harness on some rank
-EXIT_DEADLINE = 87  # a test ran past TINYTRAIN_TEST_TIMEOUT (a hang): stacks printed
 _GRACE = 2.0  # seconds an expiring rank waits after printing its stacks, so the others print theirs
 _ctl = None  # the harness's own communicator (a dup of COMM_WORLD)
 _rank, _size = 0, 1

@@ -1,15 +1,23 @@
 """Run the graded tests under ``mpirun`` and collect each test's agreed outcome.
 
 One ``mpirun -n R python -m pytest tests/graded ...`` runs all selected tasks; rank 0 writes a
-JSON line per finished test (``--grader-log``, see ``impl_plugin.py``). Student code can still take
-that run down: a hang outside tinytrain's deadlines, a segfault, an ``MPI_Abort``. So:
+JSON line per event (``--grader-log``, see ``impl_plugin.py``): collected, each test's start and
+agreed outcome, and ``finished`` when the session ended normally. Student code can still take
+that run down: a hang, an endless loop, a segfault, an ``MPI_Abort``. So:
 
-* the log is followed while the run goes on; when no test finishes for ``timeout`` seconds the
-  whole process group is killed (a hang);
-* after a crash or a kill, the test that was running fails with what happened, its task is
-  done (it has failed), and a fresh ``mpirun`` runs the tests that had not run yet.
-
-A crash therefore costs only the task whose test was running.
+* **Two deadlines that cannot race.** The harness bounds every test by ``TINYTRAIN_TEST_TIMEOUT``
+  = ``HARNESS_SHARE`` of the grader's budget (``--timeout``): past it each rank prints its Python
+  stacks and the job aborts with exit status 87 (``EXIT_DEADLINE``). The grader's own budget --
+  no event for ``timeout`` seconds, counted from the test's start like the harness's -- only
+  catches a run whose harness could not act (a rank holding the GIL in C code); it kills the
+  process group. Each ending is told apart by its own exit status or by the kill.
+* **Only tests that ran to the end count.** A run is "finished" only if mpirun exited with one of
+  pytest's statuses *and* rank 0 logged the session's end; anything else (an ``MPI_Abort(1)`` in
+  the student's code exits with pytest's "tests failed" status) is a crash. The test that was
+  running fails with what happened (hang, crash, abort) and the output with the stacks; a test
+  that never ran is "not run", so its task scores nothing.
+* After a crash or a kill, the running test's task is done (it has failed), and a fresh
+  ``mpirun`` runs the tests that had not run yet. A crash therefore costs only its own task.
 """
 
 from __future__ import annotations
@@ -26,13 +34,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ROOT
+from .exits import EXIT_DEADLINE, EXIT_ERROR
+
+HARNESS_SHARE = 0.7  # the harness's per-test deadline, as a share of the grader's budget
+PYTEST_STATUSES = (0, 1, 5)  # all passed, some failed, none collected
 
 
 @dataclass
 class TestResult:
     nodeid: str
     task: str
-    outcome: str  # passed | failed | todo | skipped
+    outcome: str  # passed | failed | todo | skipped | not run
     message: str = ""
     output: str = ""
     seconds: float = 0.0
@@ -44,7 +56,7 @@ class RunOptions:
     impl: str = "assignments"
     tasks: list[str] = field(default_factory=list)  # task ids to run
     assignments: str | None = None  # --assignments DIR
-    timeout: float = 60.0  # seconds without a finished test before the run is called hung
+    timeout: float = 60.0  # the budget: seconds one test may take before the run is called hung
     comm_timeout: float = 10.0  # TINYTRAIN_TIMEOUT for the graded run
     tests: str = "tests/graded"
     progress: object = None  # callable(done, total, result) or None
@@ -102,33 +114,66 @@ def _one_run(opts: RunOptions, nodeids: list[str] | None, workdir: Path, on_even
     out = open(workdir / "output.txt", "w+")
     env = mpi_environment()
     env["TINYTRAIN_TIMEOUT"] = str(opts.comm_timeout)
-    env["TINYTRAIN_TEST_TIMEOUT"] = str(opts.timeout)
+    env["TINYTRAIN_TEST_TIMEOUT"] = f"{harness_deadline(opts.timeout):.3g}"
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     proc = subprocess.Popen(
         _command(opts, log, nodeids), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
     )
     pos, last = 0, time.monotonic()
-    ended = "finished"
+    ended, logged_end = "finished", []
+
+    def seen(ev):
+        if ev["event"] == "finished":
+            logged_end.append(ev)
+        on_event(ev)
+
     while True:
         rc = proc.poll()
         events, pos = _read(log, pos)
         for ev in events:
             last = time.monotonic()
-            on_event(ev)
+            seen(ev)
         if rc is not None:
             break
         if time.monotonic() - last > opts.timeout:
-            ended = f"hung: no test finished for {opts.timeout:.0f} s, so the run was killed"
+            ended = (
+                f"hung: the test ran past the grader's budget of {opts.timeout:g} s and its harness did not "
+                "end it (code holding the interpreter in C?), so the run was killed"
+            )
             _kill(proc)
             break
         time.sleep(0.05)
     events, pos = _read(log, pos)
     for ev in events:
-        on_event(ev)
-    if ended == "finished" and proc.returncode not in (0, 1, 5):  # pytest: ok, tests failed, none ran
-        ended = f"crashed: mpirun exited with status {proc.returncode} (a crash or MPI_Abort in the code under test?)"
+        seen(ev)
+    if ended == "finished":
+        ended = _how_it_ended(proc.returncode, bool(logged_end), opts.timeout)
     out.seek(0)
-    return ended, out.read()[-3000:]
+    return ended, out.read()[-OUTPUT_TAIL:]
+
+
+OUTPUT_TAIL = 24000  # characters of mpirun's output kept: enough for every rank's stacks
+
+
+def harness_deadline(budget: float) -> float:
+    """The harness's per-test deadline for a grader budget: well inside it (stacks take ~2 s)."""
+    return HARNESS_SHARE * budget
+
+
+def _how_it_ended(status: int, logged_end: bool, budget: float) -> str:
+    if status == EXIT_DEADLINE:
+        return (
+            f"hung: the test ran past its deadline of {harness_deadline(budget):.3g} s (an endless loop, or a "
+            "rank waiting for something that never comes); every rank's Python stack is in the output"
+        )
+    if status == EXIT_ERROR:
+        return "aborted: the test harness ended the job (its message is in the output)"
+    if status in PYTEST_STATUSES and logged_end:
+        return "finished"
+    return (
+        f"crashed: mpirun exited with status {status} before the tests finished (a crash, an MPI_Abort or "
+        "sys.exit in the code under test?)"
+    )
 
 
 def _kill(proc) -> None:
@@ -186,4 +231,8 @@ def run_tests(opts: RunOptions) -> tuple[list[TestResult], list[str]]:
             remaining = [t["nodeid"] for t in planned if t["nodeid"] not in results and t["task"] not in failed_tasks]
             if not remaining:
                 break
-    return [results[t["nodeid"]] for t in planned if t["nodeid"] in results], problems
+    for t in planned:  # a test that never ran earns nothing, and says why
+        if t["nodeid"] not in results:
+            why = "its task already failed" if t["task"] in failed_tasks else "the run ended before it"
+            results[t["nodeid"]] = TestResult(t["nodeid"], t["task"] or "?", "not run", why)
+    return [results[t["nodeid"]] for t in planned], problems

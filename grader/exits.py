@@ -1,0 +1,8 @@
+"""Exit statuses of a test run that the harness aborted (``mpirun`` passes ``MPI_Abort``'s code on).
+
+``python -m grader`` tells them apart from pytest's own statuses (0 all passed, 1 some failed,
+2 interrupted, 5 none collected) and from a run killed by a signal.
+"""
+
+EXIT_ERROR = 86  # an exception escaped the harness on some rank (printed once, with the rank)
+EXIT_DEADLINE = 87  # a test ran past TINYTRAIN_TEST_TIMEOUT (a hang): every rank printed its stacks
