@@ -19,7 +19,15 @@ whichever pieces cover it, and the new layout cuts out what each of its ranks ho
 Saving: every rank writes its files into a fresh ``step-N/`` folder (temporary name, flush,
 fsync, rename); after a barrier, rank 0 checks that every rank's index is there and replaces
 ``manifest.json`` atomically. A crash at any moment before that leaves the previous manifest, which
-still names the previous complete folder. Then older folders are removed. No pickle: arrays and JSON.
+still names the previous complete folder. Then older folders are removed, and so are temporary
+files that killed runs left behind. No pickle: arrays and JSON.
+
+Every file tinytrain writes (checkpoint pieces, ``metrics.json``, figures) goes through
+:func:`atomic_write`: a reader sees the old file or the new one, never half of one, and every file
+gets the same permissions (``0666`` minus the umask, as ``open()`` would give). A save that fails
+(disk full, read-only folder) raises :class:`CheckpointError` naming the step and the reason; the
+previous checkpoint stays the one the manifest names. A damaged or truncated checkpoint is a
+:class:`CheckpointError` too, never a zip or JSON traceback.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import json
 import os
 import shutil
 import tempfile
+import zipfile
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -71,9 +81,28 @@ class Piece:
     flat_stop: int | None = None
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or read, in one sentence that says what to do."""
+
+
+def _file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+_MODE = _file_mode()
+TEMP_SUFFIX = ".tmp"
+
+
+def atomic_write(path, write) -> None:
+    """``write(f)`` into a temporary file next to ``path`` (binary), flush, fsync, rename over
+    ``path``. The temporary is named ``<name>.<random>.tmp``: :func:`remove_temporaries` finds the
+    ones a killed process left."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=TEMP_SUFFIX)
     try:
+        os.fchmod(fd, _MODE)  # mkstemp makes 0600; every output gets the same mode as open() gives
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -83,6 +112,12 @@ def _atomic_write(path: Path, write) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def remove_temporaries(folder) -> None:
+    """Delete what :func:`atomic_write` calls left in ``folder`` when their process was killed."""
+    for stale in Path(folder).glob("*" + TEMP_SUFFIX):
+        stale.unlink(missing_ok=True)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -101,11 +136,31 @@ def write_pieces(folder, step: int, rank: int, pieces: list[tuple[Piece, object]
     """One rank's part of a save: its ``(Piece, host array)`` pairs into ``folder/step-N/``, and
     ``scalars`` (name -> {field: number}: AdamW's step count) into its index."""
     target = Path(folder) / step_folder(step)
-    target.mkdir(parents=True, exist_ok=True)
     arrays = {f"a{i}": numpy.asarray(a) for i, (_, a) in enumerate(pieces)}
     index = {"pieces": [dict(asdict(p), array=f"a{i}") for i, (p, _) in enumerate(pieces)], "scalars": scalars}
-    _atomic_write(target / f"rank-{rank:05d}.npz", lambda f: numpy.savez(f, **arrays))
-    _atomic_write(target / f"rank-{rank:05d}.json", lambda f: f.write(json.dumps(index).encode()))
+    with _saving(folder, step):
+        target.mkdir(parents=True, exist_ok=True)
+        atomic_write(target / f"rank-{rank:05d}.npz", lambda f: numpy.savez(f, **arrays))
+        atomic_write(target / f"rank-{rank:05d}.json", lambda f: f.write(json.dumps(index).encode()))
+
+
+class _saving:
+    """Turn an OSError of a save (disk full, read-only folder) into a sentence about the checkpoint."""
+
+    def __init__(self, folder, step: int):
+        self.folder, self.step = folder, step
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if isinstance(exc, OSError):
+            raise CheckpointError(
+                f"could not save the checkpoint of step {self.step} in {self.folder} "
+                f"({exc.strerror or exc}); the previous checkpoint there is kept. Free space or "
+                "choose a writable --out"
+            ) from exc
+        return False
 
 
 def commit(folder, step: int, world_size: int, tensors: dict, meta: dict) -> None:
@@ -124,12 +179,14 @@ def commit(folder, step: int, world_size: int, tensors: dict, meta: dict) -> Non
         "tensors": {k: list(v) for k, v in tensors.items()},
         **meta,
     }
-    _fsync_dir(folder / name)
-    _atomic_write(folder / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-    _fsync_dir(folder)
+    with _saving(folder, step):
+        _fsync_dir(folder / name)
+        atomic_write(folder / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        _fsync_dir(folder)
     for old in folder.glob("step-*"):
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
+    remove_temporaries(folder)
 
 
 class Reader:
@@ -140,22 +197,30 @@ class Reader:
         path = self.folder / MANIFEST
         if not path.is_file():
             raise FileNotFoundError(f"no checkpoint at {self.folder} (no {MANIFEST}): train with --out to create one")
-        self.manifest = json.loads(path.read_text())
-        if self.manifest.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a {FORMAT} manifest")
+        with self._damaged(MANIFEST):
+            self.manifest = json.loads(path.read_text())
+            if self.manifest.get("format") != FORMAT:
+                raise CheckpointError(f"{path} is not a {FORMAT} manifest")
+            world_size, tensors = self.manifest["world_size"], self.manifest["tensors"]
+            data = self.folder / self.manifest["folder"]
         self.meta = self.manifest
-        data = self.folder / self.manifest["folder"]
         self.pieces: dict[tuple[str, str], list] = {}
         self.scalars: dict[str, dict] = {}
-        for r in range(self.manifest["world_size"]):
-            arrays = numpy.load(data / f"rank-{r:05d}.npz")
-            index = json.loads((data / f"rank-{r:05d}.json").read_text())
-            for name, fields in index["scalars"].items():
-                self.scalars.setdefault(name, {}).update(fields)
-            for entry in index["pieces"]:
-                array_key = entry.pop("array")
-                piece = Piece(**entry)
-                self.pieces.setdefault((piece.name, piece.field), []).append((piece, arrays, array_key))
+        for r in range(world_size):
+            with self._damaged(f"{data.name}/rank-{r:05d}"):
+                arrays = numpy.load(data / f"rank-{r:05d}.npz")
+                index = json.loads((data / f"rank-{r:05d}.json").read_text())
+                for name, fields in index["scalars"].items():
+                    self.scalars.setdefault(name, {}).update(fields)
+                for entry in index["pieces"]:
+                    array_key = entry.pop("array")
+                    piece = Piece(**entry)
+                    if piece.name not in tensors:
+                        raise CheckpointError(f"piece of {piece.name!r}, a tensor the manifest does not list")
+                    self.pieces.setdefault((piece.name, piece.field), []).append((piece, arrays, array_key))
+
+    def _damaged(self, what: str):
+        return _Damaged(self.folder, what)
 
     def names(self) -> list[str]:
         return list(self.manifest["tensors"])
@@ -171,7 +236,8 @@ class Reader:
         full, covered = None, numpy.zeros(shape, dtype=bool)
         flats: dict = {}  # (axis, start, stop) -> (values, filled) of that slice, flattened
         for piece, arrays, key in self.pieces.get((name, field), []):
-            array = arrays[key]
+            with self._damaged(f"{name} ({field})"):
+                array = arrays[key]
             if full is None:
                 full = numpy.zeros(shape, dtype=array.dtype)
             where = Placement(name, piece.axis, piece.start, piece.stop)
@@ -195,6 +261,27 @@ class Reader:
                 "a rank's file is missing or damaged"
             )
         return full
+
+
+class _Damaged:
+    """Turn whatever a damaged file raises while being read into one :class:`CheckpointError`."""
+
+    def __init__(self, folder, what: str):
+        self.folder, self.what = folder, what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if isinstance(exc, CheckpointError):
+            raise CheckpointError(f"checkpoint {self.folder} is damaged: {exc}") from exc
+        if isinstance(exc, (OSError, EOFError, KeyError, TypeError, ValueError, zipfile.BadZipFile, zlib.error)):
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise CheckpointError(
+                f"checkpoint {self.folder} is damaged or truncated ({self.what}: {reason}); train again, "
+                "or restore the folder from a copy"
+            ) from exc
+        return False
 
 
 # --- from a rank's parameters and optimizer state to pieces, and back --------------------------------

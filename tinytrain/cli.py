@@ -2,13 +2,22 @@
 
 Each subcommand lives in its own module and is imported only when used, so ``tinytrain --help``
 stays fast and never initialises MPI.
+
+Errors: a bad input (a flag, a file, a setting) is one sentence that says what to change, exit code
+2, no traceback; any other error is one line with its type, exit code 1. ``--debug`` (anywhere on
+the line) or ``TINYTRAIN_DEBUG=1`` shows the traceback too. Under ``mpirun`` an error on any rank
+ends the whole job at once (``MPI_Abort``): the message is printed once, with the rank, and no rank
+is left waiting for the one that failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import time
+import traceback
 
 # name -> module with ``add_arguments(parser)`` and ``run(args)``
 _COMMANDS = {
@@ -19,9 +28,17 @@ _COMMANDS = {
     "doctor": ("tinytrain.doctor", "what this machine and its MPI offer: versions, device, settings"),
 }
 
+EXIT_ERROR, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
+_GRACE = 1.0  # seconds a failing rank other than 0 waits for rank 0 to report the same error
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinytrain", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of an error (anywhere on the line; or TINYTRAIN_DEBUG=1)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, help_text) in _COMMANDS.items():
@@ -32,16 +49,128 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run one command.
+
+    As the program (``argv`` None: the ``tinytrain`` script, ``python -m tinytrain.cli``) every
+    error ends here: printed once, exit code 2 (bad input) or 1, and under mpirun the whole job is
+    aborted. Called in-process with ``argv`` (tests, notebooks), a bad input prints its sentence and
+    raises ``SystemExit(2)``; other exceptions propagate to the caller.
+    """
+    as_program = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("TINYTRAIN_DEBUG", "0") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    command = next((a for a in argv if a in _COMMANDS), None)
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
         return int(importlib.import_module(args._module).run(args) or 0)
-    except ValueError as exc:
-        # A bad setting: say what to change, without a traceback (argparse's style, exit code 2).
-        # Under mpirun every rank fails the same way; one message is enough.
-        dist = sys.modules.get("tinytrain.distributed")
-        quiet = dist is not None and dist.is_initialized() and dist.get_rank() != 0
-        parser.exit(2, None if quiet else f"tinytrain {args.command}: error: {exc}\n")
+    except SystemExit:
+        raise  # argparse's usage errors, and exits a command chose itself
+    except BaseException as exc:
+        bad_input = is_bad_input(exc)
+        if not as_program and not bad_input:
+            raise
+        if not as_program:
+            if _world()[0] == 0:
+                sys.stderr.write(f"{_name(command)}: error: {exc}\n")
+            raise SystemExit(EXIT_BAD_INPUT) from exc
+        fail(command, exc, debug)
+    return EXIT_ERROR  # not reached: fail() does not return
+
+
+def is_bad_input(exc: BaseException) -> bool:
+    """A mistake in what the user gave (flags, files, environment), said in one sentence.
+
+    ``ValueError`` (our checks, and ``CollectiveMismatch``), a missing file, a numeric blow-up
+    (``FloatingPointError`` says to lower --lr), and ``tinytrain.backend.BackendError`` (matched by
+    name: a bad ``TINYTRAIN_DEVICE`` fails while the backend module is being imported)."""
+    if isinstance(exc, (ValueError, FileNotFoundError, FloatingPointError)):
+        return True
+    return type(exc).__name__ == "BackendError" and type(exc).__module__.startswith("tinytrain.backend")
+
+
+def _world() -> tuple[int, int]:
+    """(this rank, number of ranks) of the MPI job, from tinytrain.distributed once it started,
+    else from the launcher's environment (without starting MPI)."""
+    dist = sys.modules.get("tinytrain.distributed")
+    if dist is not None and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    for rank, size in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
+        if os.environ.get(size, "").isdigit():
+            return int(os.environ.get(rank, "0") or 0), int(os.environ[size])
+    return 0, 1
+
+
+def fail(command: str | None, exc: BaseException, debug: bool) -> None:
+    """Print the error once and end the program; under mpirun, end the whole job (MPI_Abort).
+
+    Who prints: nobody, if another rank reported its failure first (``PeerFailure`` and the notices
+    on the side channel: that rank printed the cause). Otherwise rank 0 at once, and any other rank
+    after giving rank 0 a moment to abort the job for the same reason (a bad flag fails every rank
+    alike: one message, not N)."""
+    bad_input = is_bad_input(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        code = EXIT_INTERRUPTED
+    else:
+        code = EXIT_BAD_INPUT if bad_input else EXIT_ERROR
+    rank, size = _world()
+    line = f"{_name(command)}: {'' if size == 1 else f'rank {rank}: '}error: "
+    line += str(exc) if bad_input else f"{type(exc).__name__}: {exc}"
+    if not bad_input and not debug:
+        line += " (run with --debug or TINYTRAIN_DEBUG=1 for the traceback)"
+    shown = exc if debug else None
+    if size == 1:
+        _print(line, shown)
+        sys.exit(code)
+    if not _another_rank_failed(exc, wait=0.0 if rank == 0 else _GRACE):
+        _print(line, shown)
+        _report(line)
+    _abort(code)
+
+
+def _name(command: str | None) -> str:
+    return f"tinytrain {command}" if command else "tinytrain"
+
+
+def _print(line: str, exc: BaseException | None) -> None:
+    if exc is not None:
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _another_rank_failed(exc: BaseException, wait: float) -> bool:
+    """Did another rank fail first (``exc`` only echoes it, or a notice arrives within ``wait`` s)?"""
+    dist = sys.modules.get("tinytrain.distributed")
+    if dist is not None and isinstance(exc, dist.PeerFailure):
+        return True
+    if dist is None or not dist.is_initialized():
+        time.sleep(wait)  # no side channel yet: rank 0's abort, if it comes, ends us meanwhile
+        return False
+    from tinytrain.distributed import watchdog
+
+    end = time.monotonic() + wait
+    while True:
+        if watchdog.poll_failures():
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.02)
+
+
+def _report(line: str) -> None:
+    dist = sys.modules.get("tinytrain.distributed")
+    if dist is not None and dist.is_initialized():
+        dist.report_failure(line)
+
+
+def _abort(code: int) -> None:
+    """End every rank of the job now (starting MPI first if this rank had not: a rank that exits
+    without MPI would leave the others waiting for it forever)."""
+    from tinytrain.distributed._mpi import MPI
+
+    MPI.COMM_WORLD.Abort(code)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,12 @@ class AdditionDataset:
         self.block_size = self.seq_len - 1
 
     def encode(self, text: str):
+        unknown = sorted(set(text) - set(self.chars))
+        if unknown:
+            raise ValueError(
+                f"the addition task has only the characters {self.chars!r}; {''.join(unknown)!r} are not among them "
+                "(give a prompt such as '12+34=')"
+            )
         return numpy.array([self.chars.index(c) for c in text], dtype=numpy.int64)
 
     def decode(self, ids) -> str:

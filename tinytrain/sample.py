@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import numpy
 
@@ -57,9 +58,18 @@ def checkpoint_model(folder):
     return model, reader.meta
 
 
+def check_args(args) -> None:
+    """Reject impossible settings with a message that says what to change."""
+    if args.tokens is not None and args.tokens <= 0:
+        raise ValueError(f"--tokens must be positive, got {args.tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature must be 0 (greedy) or positive, got {args.temperature}")
+
+
 def run(args) -> int:
     from tinytrain.data import load_dataset
 
+    check_args(args)
     model, meta = checkpoint_model(args.ckpt)
     saved = meta["args"]
     dataset = load_dataset(saved.get("data"), saved.get("block_size"), saved.get("digits", 2))

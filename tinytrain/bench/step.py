@@ -151,6 +151,10 @@ def bench_config(name, steps, torch):
 
 
 def run(args) -> int:
+    if args.steps <= 0:
+        raise ValueError(f"--steps must be positive, got {args.steps}")
+    if args.threads is not None and args.threads <= 0:
+        raise ValueError(f"--threads must be positive, got {args.threads}")
     if device != "cpu":
         print("note: tinytrain runs on the GPU here; the PyTorch reference is on the CPU", flush=True)
     threads = args.threads or os.cpu_count()

@@ -3,10 +3,19 @@
 Three things can stop a distributed program forever, and this module turns each into an error
 that names what was being waited for:
 
-1. A peer never answers (it crashed, or called a different operation, or forgot a ``recv``).
-   Every wait has a deadline, ``TINYTRAIN_TIMEOUT`` seconds (default 60; the test harness uses
-   20). Past it we raise :class:`CommTimeout` naming the operation, group, algorithm step, the
-   peer and the time waited.
+1. A peer never answers (it crashed, froze, called a different operation, or forgot a ``recv``).
+   Every wait has a deadline, ``TINYTRAIN_TIMEOUT`` seconds (default 20, so that a skipped
+   collective ends a job well within 30 s; the test harness uses 20 too). Past it we raise
+   :class:`CommTimeout` naming the operation, group, algorithm step, the peer and the time waited.
+
+   An honest long wait (a slow pipeline stage, rank 0 writing a big checkpoint) is told apart
+   from a failure by *heartbeats* (``start_heartbeat``, started by ``tinytrain train``): every
+   second each rank posts on the side channel whether it is computing ("busy") or which ranks it
+   is waiting for. At the deadline a waiting rank follows these waits from rank to rank: if they
+   lead to a rank that is alive and busy, the wait is honest and goes on (up to
+   ``TINYTRAIN_BUSY_TIMEOUT`` seconds, default 600, for a rank that computes forever); if they
+   only lead to waiting ranks (a cycle: a skipped collective, a send-send deadlock), to a
+   finished rank, or to a rank that has stopped beating (frozen by ``kill -STOP``), it is a failure.
 2. A peer raised an exception. Waiting for the deadline would be slow, so a failing rank posts a
    short *failure notice* to every other rank on a side-channel communicator (a duplicate of the
    world communicator, used for nothing else). Waiting ranks look for notices with ``Iprobe`` while
@@ -23,7 +32,9 @@ growing steps (at most ``_MAX_SLEEP``). When ranks outnumber cores we stop spinn
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 import time
 
 from ._mpi import MPI
@@ -46,8 +57,14 @@ class CollectiveMismatch(DistributedError, ValueError):
 
 
 def timeout() -> float:
-    """Seconds any single wait may take: ``TINYTRAIN_TIMEOUT`` (default 60)."""
-    return float(os.environ.get("TINYTRAIN_TIMEOUT", "60"))
+    """Seconds a wait may take before we ask whether it is stuck: ``TINYTRAIN_TIMEOUT`` (default 20)."""
+    return float(os.environ.get("TINYTRAIN_TIMEOUT", "20"))
+
+
+def busy_timeout() -> float:
+    """Seconds a wait may go on while the rank it waits for is alive and computing:
+    ``TINYTRAIN_BUSY_TIMEOUT`` (default 600)."""
+    return float(os.environ.get("TINYTRAIN_BUSY_TIMEOUT", "600"))
 
 
 def debug() -> bool:
@@ -95,6 +112,7 @@ def install(alert_comm) -> None:
 
 def uninstall() -> None:
     global _alert_comm
+    stop_heartbeat()
     _alert_comm = None
     _alert_sends.clear()
     failures.clear()
@@ -121,7 +139,97 @@ def poll_failures() -> dict[int, str]:
         buf = bytearray(status.Get_count(MPI.BYTE))
         comm.Recv(buf, source=status.Get_source(), tag=_ALERT_TAG)  # already arrived: no wait
         failures[status.Get_source()] = buf.decode(errors="replace")
+    if _heartbeat is not None:
+        _poll_beats(comm)
     return failures
+
+
+# --- heartbeats: who is busy, who waits for whom -------------------------------------------------
+
+_BEAT_TAG = 8
+_BEAT_EVERY = 1.0  # seconds between heartbeats; a rank silent for 4 of these is taken as stopped
+_waiting_for: list[int] | None = None  # world ranks this rank waits for now (None: computing)
+_finished = False  # this rank is done (it will never answer again)
+_heartbeat: tuple[threading.Thread, threading.Event] | None = None
+_beat_sends: list = []
+beats: dict[int, tuple[float, dict]] = {}  # world rank -> (when heard, its last state)
+
+
+def start_heartbeat() -> None:
+    """Post this rank's state to every other rank every second, from a daemon thread.
+
+    Started by programs (``tinytrain train``), not by the test harness: a rank that waits in the
+    harness's own loop would look busy there."""
+    global _heartbeat, _finished
+    comm = _alert_comm
+    if comm is None or comm.Get_size() == 1 or _heartbeat is not None:
+        return
+    _finished = False
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(_BEAT_EVERY):
+            _post_beat(comm)
+
+    thread = threading.Thread(target=beat, name="tinytrain-heartbeat", daemon=True)
+    _heartbeat = (thread, stop)
+    thread.start()
+
+
+def stop_heartbeat(finished: bool = False) -> None:
+    """Stop beating; with ``finished``, first tell every rank that this one is done."""
+    global _heartbeat, _finished
+    if _heartbeat is None:
+        return
+    thread, stop = _heartbeat
+    _heartbeat = None
+    stop.set()
+    thread.join()
+    if finished and _alert_comm is not None:
+        _finished = True
+        _post_beat(_alert_comm)
+    _beat_sends.clear()
+
+
+def _post_beat(comm) -> None:
+    state = {"finished": True} if _finished else {"waiting_for": _waiting_for}
+    data = bytearray(json.dumps(state).encode())
+    _beat_sends[:] = [(req, buf) for req, buf in _beat_sends if not req.Test()]
+    for peer in range(comm.Get_size()):
+        if peer != comm.Get_rank():
+            _beat_sends.append((comm.Isend(data, dest=peer, tag=_BEAT_TAG), data))
+
+
+def _poll_beats(comm) -> None:
+    status = MPI.Status()
+    while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_BEAT_TAG, status=status):
+        buf = bytearray(status.Get_count(MPI.BYTE))
+        comm.Recv(buf, source=status.Get_source(), tag=_BEAT_TAG)
+        beats[status.Get_source()] = (time.monotonic(), json.loads(buf.decode()))
+
+
+def _why_stuck(peers: list[int]) -> str | None:
+    """None if the waits starting at ``peers`` lead to a rank that is alive and computing (an honest
+    long wait); else why not, in words. Only meaningful while heartbeats run."""
+    now, seen, todo, reasons = time.monotonic(), set(), list(peers), []
+    while todo:
+        rank = todo.pop()
+        if rank in seen:
+            continue
+        seen.add(rank)
+        heard, state = beats.get(rank, (None, {}))
+        if heard is None or now - heard > 4 * _BEAT_EVERY:
+            reasons.append(f"rank {rank} sent no heartbeat for {4 * _BEAT_EVERY:g} s (stopped or frozen?)")
+        elif state.get("finished"):
+            reasons.append(f"rank {rank} has finished")
+        elif state.get("waiting_for") is None:
+            return None  # alive and computing: the wait is honest
+        else:
+            todo.extend(state["waiting_for"])
+    waiting = sorted(r for r in seen if beats.get(r, (0, {}))[1].get("waiting_for") is not None)
+    if waiting:
+        reasons.append(f"ranks {waiting} are all waiting themselves (a deadlock or a skipped call)")
+    return "; ".join(reasons)
 
 
 # --- the one wait loop ---------------------------------------------------------------------------
@@ -134,12 +242,21 @@ def wait_until(done, describe, pending, deadline: float | None = None) -> None:
     ``pending()`` lists what is still outstanding as ``[("recv from", world_rank), ...]``; both are
     called only when an error is raised. ``deadline`` (seconds) defaults to :func:`timeout`.
     """
+    global _waiting_for
     __tracebackhide__ = True  # pytest: show the caller's line, not this loop
     if done():
         return
     limit = timeout() if deadline is None else deadline
+    try:
+        _poll_until(done, describe, pending, limit)
+    finally:
+        _waiting_for = None  # computing again (what the next heartbeat says)
+
+
+def _poll_until(done, describe, pending, limit: float) -> None:
+    __tracebackhide__ = True
     start = time.perf_counter()
-    polls, sleep = 0, 20e-6
+    polls, sleep, announced = 0, 20e-6, 0.0
     while True:
         polls += 1
         if polls > _SPIN:
@@ -153,12 +270,32 @@ def wait_until(done, describe, pending, deadline: float | None = None) -> None:
         if polls > _SPIN or polls % _ALERT_EVERY == 0:
             waited = time.perf_counter() - start
             _check_failures(describe, pending, waited)
+            if _heartbeat is not None and waited > announced + 0.2 * _BEAT_EVERY:
+                _set_waiting_for(pending)  # what the next heartbeat says
+                announced = waited
             if waited > limit:
-                raise CommTimeout(
-                    f"{describe()}: timed out after {waited:.1f} s waiting for "
-                    f"{_fmt_pending(pending())} (TINYTRAIN_TIMEOUT={limit:g}). "
-                    "Did every rank of the group call the same operation?"
-                )
+                _past_deadline(describe, pending, waited, limit)
+
+
+def _set_waiting_for(pending) -> None:
+    global _waiting_for
+    _waiting_for = sorted({peer for _, peer in pending()})
+
+
+def _past_deadline(describe, pending, waited: float, limit: float) -> None:
+    """Raise :class:`CommTimeout`, unless heartbeats show that the wait is an honest one."""
+    __tracebackhide__ = True
+    why = None
+    if _heartbeat is not None:
+        why = _why_stuck([peer for _, peer in pending()])
+        if why is None and waited < busy_timeout():
+            return  # the ranks we wait for wait, in the end, for a rank that computes: keep waiting
+        why = why or f"still busy after TINYTRAIN_BUSY_TIMEOUT={busy_timeout():g} s"
+    raise CommTimeout(
+        f"{describe()}: timed out after {waited:.1f} s waiting for "
+        f"{_fmt_pending(pending())} (TINYTRAIN_TIMEOUT={limit:g}). "
+        + (f"{why[0].upper()}{why[1:]}." if why else "Did every rank of the group call the same operation?")
+    )
 
 
 def _fmt_pending(items) -> str:

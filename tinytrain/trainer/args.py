@@ -6,8 +6,41 @@ Only argparse runs at import: ``tinytrain --help`` must not start MPI.
 from __future__ import annotations
 
 import argparse
+import math
 
 from tinytrain.nn import GPT, GPTConfig
+
+MAX_LR = 10.0  # above this every model here diverges in its first steps
+
+# What decides the model's parameters: the data flags (a checkpoint records every flag), then each
+# GPTConfig field and the flag that sets it. A resumed run must ask for the same.
+DATA_FLAGS = ("data", "digits")
+CONFIG_FLAGS = {
+    "n_layer": "layers",
+    "n_head": "heads",
+    "n_embd": "width",
+    "block_size": "block_size",
+    "vocab_size": "data",
+    "n_experts": "experts",
+    "moe_top_k": "topk",
+}
+
+
+def model_mismatch(saved_args: dict, saved_config: dict, args, config) -> str | None:
+    """The first model flag in which a checkpoint and this run differ, said as
+    "checkpoint has --layers 2, this run asks for 3"; None if they agree."""
+    for name in DATA_FLAGS:
+        if name in saved_args and saved_args[name] != getattr(args, name):
+            return _differs(name, saved_args[name], getattr(args, name))
+    for field, name in CONFIG_FLAGS.items():
+        if field in saved_config and saved_config[field] != getattr(config, field):
+            return _differs(name, saved_config[field], getattr(config, field))
+    return None
+
+
+def _differs(name: str, saved, asked) -> str:
+    flag = "--" + name.replace("_", "-")
+    return f"checkpoint has {flag} {saved}, this run asks for {asked}; resume with {flag} {saved}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_argument("--steps", type=int, default=600)
     opt.add_argument("--batch-size", type=int, default=64, help="global batch (sequences per step)")
     opt.add_argument("--lr", type=float, default=1e-3)
-    opt.add_argument("--min-lr", type=float, default=1e-4)
+    opt.add_argument("--min-lr", type=float, default=None, help="where the cosine schedule ends (default: --lr / 10)")
     opt.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps, at most 30)")
     opt.add_argument("--weight-decay", type=float, default=0.01)
     opt.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
@@ -100,10 +133,26 @@ def check_args(args) -> None:
     for name in ("steps", "batch_size", "layers", "heads", "width", "eval_every", "eval_batches", "ckpt_every"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.lr <= 0:
+    if not math.isfinite(args.lr) or args.lr <= 0:
         raise ValueError(f"--lr must be positive, got {args.lr}")
+    if args.lr > MAX_LR:
+        raise ValueError(f"--lr {args.lr:g} is far too large (training diverges at once); use at most {MAX_LR:g}")
+    if args.min_lr is None:
+        args.min_lr = args.lr / 10
+    if not math.isfinite(args.min_lr) or not 0 <= args.min_lr <= args.lr:
+        raise ValueError(f"--min-lr must be between 0 and --lr {args.lr:g}, got {args.min_lr}")
+    if not math.isfinite(args.grad_clip) or args.grad_clip < 0:
+        raise ValueError(f"--grad-clip must be a positive norm (or 0 to disable clipping), got {args.grad_clip}")
+    if not math.isfinite(args.weight_decay) or args.weight_decay < 0:
+        raise ValueError(f"--weight-decay must be 0 or positive, got {args.weight_decay}")
+    if args.block_size is not None and args.block_size <= 0:
+        raise ValueError(f"--block-size must be positive, got {args.block_size}")
+    if args.microbatches is not None and args.pp == 1:
+        raise ValueError("--microbatches splits a pipeline's batch: add --pp N (N > 1), or drop --microbatches")
     if args.warmup is None:
         args.warmup = min(30, args.steps // 20)
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be 0 or positive, got {args.warmup}")
     if args.warmup > args.steps:
         raise ValueError(f"--warmup {args.warmup} is longer than --steps {args.steps}")
 

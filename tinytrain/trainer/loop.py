@@ -4,18 +4,28 @@
     tinytrain train --data book.txt          # characters of any text file
     tinytrain train --out runs/a --resume    # continue exactly where runs/a stopped
     mpirun -n 4 tinytrain train --dp 2 --tp 2 --resume   # ... under another layout
+    mpirun -n 4 tinytrain train              # no layout flag: data parallel over the 4 ranks
 
 The loop is the textbook one: draw a batch, forward, loss, backward, clip, optimizer step, LR
 schedule. It knows no parallel strategy: a runner (``runners.py``) runs each step on this rank.
 Batches and dropout masks are functions of (seed, step), so a resumed run reproduces the
 uninterrupted one, whatever layout wrote the checkpoint.
+
+Nothing is lost: every output is checked writable before the first step (``--out``, ``--trace``,
+the figures inside ``--out``) and written atomically; SIGINT or SIGTERM (Ctrl-C, a scheduler's
+preemption) lets every rank finish the step it is in, the ranks agree on that step, a checkpoint is
+written and the run exits with 128 + the signal number, saying how to resume. A second Ctrl-C stops
+at once (the last checkpoint stays).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -25,8 +35,8 @@ from tinytrain.autograd import no_grad
 from tinytrain.backend import device
 from tinytrain.data import AdditionDataset, load_dataset
 from tinytrain.optim import SGD, AdamW, WarmupCosine
-from tinytrain.trainer.args import add_arguments, build_model, check_args, plan_of
-from tinytrain.trainer.runners import make_runner
+from tinytrain.trainer.args import add_arguments, build_model, check_args, model_mismatch, plan_of
+from tinytrain.trainer.runners import launched_world, make_runner
 
 __all__ = ["add_arguments", "run"]
 
@@ -96,16 +106,27 @@ def run(args) -> int:
     finally:
         if tracing:
             trace.enable(False)
+        _stop_heartbeat()
+
+
+def _stop_heartbeat() -> None:
+    """This rank is done (or failing): stop telling the others that it computes."""
+    dist = sys.modules.get("tinytrain.distributed")
+    if dist is not None and dist.is_initialized():
+        from tinytrain.distributed import watchdog
+
+        watchdog.stop_heartbeat(finished=True)
 
 
 def train(args) -> int:
     check_args(args)
+    out = prepare_outputs(args)
+    default_layout(args)
     dataset = load_dataset(args.data, args.block_size, args.digits)
     model = build_model(args, dataset)
     runner = make_runner(model, plan_of(args), args.batch_size)
     optimizer, schedule = build_optimizer(args, runner.parameters())
     quiet = args.quiet or not runner.is_main
-    out = Path(args.out)
     ckpt = out / "ckpt"
     metrics = {
         "config": {
@@ -122,57 +143,56 @@ def train(args) -> int:
         if start_step >= args.steps and not quiet:
             print(f"checkpoint is at step {start_step}; nothing to do for --steps {args.steps}", file=sys.stderr)
 
-    if not quiet:
+    if not quiet and start_step < args.steps:
+        steps = f"steps {start_step + 1}..{args.steps}" if start_step else f"{args.steps} steps"
         print(
             f"tinytrain: GPT with {model.num_parameters():,} parameters on {device}, data={dataset.name}, "
-            f"batch {args.batch_size} x {dataset.block_size} tokens, steps {start_step + 1}..{args.steps}",
+            f"batch {args.batch_size} x {dataset.block_size} tokens, {steps}",
             file=sys.stderr,
         )
     progress = Progress(args.steps, quiet)
     tokens_per_step = args.batch_size * dataset.block_size
-    for step in range(start_step + 1, args.steps + 1):
-        t0 = time.perf_counter()
-        _random.manual_seed((args.seed, step))  # dropout masks depend on (seed, step, site) only
-        x, y = dataset.batch("train", args.batch_size, seed=args.seed, step=step)
-        optimizer.zero_grad()
-        with _trace_step(step):
-            loss_value = runner.forward_backward(x, y)
-        grad_norm = runner.clip_gradients(args.grad_clip) if args.grad_clip else None
-        lr = optimizer.lr
-        runner.step(optimizer)
-        schedule.step()
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss became {loss_value} at step {step}; lower --lr or enable --grad-clip")
-        dt = time.perf_counter() - t0
-        record = {"step": step, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_per_step / dt}
-        if grad_norm is not None:
-            record["grad_norm"] = grad_norm
-        moe = runner.step_stats()  # with experts: load per expert, dropped share, aux loss
-        if moe:
-            record["moe"] = moe
-        extra = moe_line(moe) if moe else ""
-        if step % args.eval_every == 0 or step == args.steps:
-            runner.share_model()
-            if runner.is_main:
-                ev = evaluate(model, dataset, args, step)
-                record.update(val_loss=ev["val_loss"], eval_train_loss=ev["train_loss"])
-                if "val_accuracy" in ev:
-                    record["val_accuracy"] = ev["val_accuracy"]
-                extra += f" val {ev['val_loss']:.4f}" + (
-                    f" acc {ev['val_accuracy']:.2f}" if "val_accuracy" in ev else ""
-                )
-        metrics["steps"].append(record)
-        progress.update(step, loss_value, record["tokens_per_s"], extra)
-        if step % args.ckpt_every == 0 or step == args.steps:
-            meta = {
-                "step": step,
-                "seed": args.seed,
-                "optimizer": args.optimizer,
-                "args": _plain_args(args),
-                "model_config": model.config.to_dict(),
-                "metrics_steps": metrics["steps"],
-            }
-            runner.save(ckpt, step, optimizer, meta)
+    saved_step = start_step
+    with Interrupts() as interrupts:
+        for step in range(start_step + 1, args.steps + 1):
+            t0 = time.perf_counter()
+            _random.manual_seed((args.seed, step))  # dropout masks depend on (seed, step, site) only
+            x, y = dataset.batch("train", args.batch_size, seed=args.seed, step=step)
+            optimizer.zero_grad()
+            with _trace_step(step):
+                loss_value = runner.forward_backward(x, y)
+            grad_norm = runner.clip_gradients(args.grad_clip) if args.grad_clip else None
+            lr = optimizer.lr
+            runner.step(optimizer)
+            schedule.step()
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"loss became {loss_value} at step {step}; lower --lr or enable --grad-clip")
+            dt = time.perf_counter() - t0
+            record = {"step": step, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_per_step / dt}
+            if grad_norm is not None:
+                record["grad_norm"] = grad_norm
+            moe = runner.step_stats()  # with experts: load per expert, dropped share, aux loss
+            if moe:
+                record["moe"] = moe
+            extra = moe_line(moe) if moe else ""
+            if step % args.eval_every == 0 or step == args.steps:
+                runner.share_model()
+                if runner.is_main:
+                    ev = evaluate(model, dataset, args, step)
+                    record.update(val_loss=ev["val_loss"], eval_train_loss=ev["train_loss"])
+                    if "val_accuracy" in ev:
+                        record["val_accuracy"] = ev["val_accuracy"]
+                    extra += f" val {ev['val_loss']:.4f}" + (
+                        f" acc {ev['val_accuracy']:.2f}" if "val_accuracy" in ev else ""
+                    )
+            metrics["steps"].append(record)
+            progress.update(step, loss_value, record["tokens_per_s"], extra)
+            stop = runner.any_rank(interrupts.signal is not None)  # every rank stops after the same step
+            if step % args.ckpt_every == 0 or step == args.steps or stop:
+                save(runner, ckpt, step, optimizer, metrics, args, model)
+                saved_step = step
+            if stop:
+                return interrupted(runner, out, metrics, interrupts.signal, saved_step, quiet)
 
     runner.share_model()
     runner.finish(args, out)
@@ -180,27 +200,139 @@ def train(args) -> int:
         return 0
     final = evaluate(model, dataset, args, args.steps)
     metrics["final"] = final
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    if not args.no_plot and metrics["steps"]:
-        from tinytrain.viz import plot_loss_curve
-
-        plot_loss_curve(metrics, out / "loss.png", title=f"GPT on {dataset.name}")
-        if any("moe" in s for s in metrics["steps"]):
-            from tinytrain.viz import plot_expert_load
-
-            per_rank = args.experts // args.ep if args.ep > 1 else None
-            plot_expert_load(metrics, out / "expert_load.png", experts_per_rank=per_rank)
+    write_metrics(out, metrics, args, dataset)
     if not quiet:
         summary = ", ".join(f"{k} {v:.4f}" for k, v in final.items())
         print(f"done: {summary}; wrote {out}/metrics.json, loss.png, ckpt/", file=sys.stderr)
     return 0
 
 
+def save(runner, ckpt: Path, step: int, optimizer, metrics: dict, args, model) -> None:
+    meta = {
+        "step": step,
+        "seed": args.seed,
+        "optimizer": args.optimizer,
+        "args": _plain_args(args),
+        "model_config": model.config.to_dict(),
+        "metrics_steps": metrics["steps"],
+    }
+    runner.save(ckpt, step, optimizer, meta)
+
+
+def write_metrics(out: Path, metrics: dict, args, dataset) -> None:
+    """metrics.json and the figures, each written atomically (rank 0)."""
+    checkpoint.remove_temporaries(out)  # what a killed run left half-written
+    checkpoint.atomic_write(out / "metrics.json", lambda f: f.write(json.dumps(metrics, indent=1).encode()))
+    if args.no_plot or not metrics["steps"]:
+        return
+    from tinytrain.viz import plot_expert_load, plot_loss_curve
+
+    title = f"GPT on {dataset.name}"
+    checkpoint.atomic_write(out / "loss.png", lambda f: plot_loss_curve(metrics, f, title=title))
+    if any("moe" in s for s in metrics["steps"]):
+        per_rank = args.experts // args.ep if args.ep > 1 else None
+        checkpoint.atomic_write(
+            out / "expert_load.png", lambda f: plot_expert_load(metrics, f, experts_per_rank=per_rank)
+        )
+
+
+def interrupted(runner, out: Path, metrics: dict, signum: int, step: int, quiet: bool) -> int:
+    """After SIGINT/SIGTERM: the checkpoint of ``step`` is written; keep the metrics, say how to go on."""
+    if runner.is_main:
+        checkpoint.remove_temporaries(out)
+        checkpoint.atomic_write(out / "metrics.json", lambda f: f.write(json.dumps(metrics, indent=1).encode()))
+        print(
+            f"\ntinytrain: {signal.Signals(signum).name} received: stopped after step {step}, checkpoint written to "
+            f"{out / 'ckpt'}. Run the same command with --resume (and --out {out}) to continue from step {step + 1}.",
+            file=sys.stderr,
+        )
+    return 128 + signum
+
+
+class Interrupts:
+    """SIGINT and SIGTERM during training: the first one asks the loop to stop after the current
+    step (``signal`` holds its number); a second SIGINT raises ``KeyboardInterrupt`` at once.
+
+    Installed only in the main thread (Python allows handlers nowhere else); restored on exit."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self.previous: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self.previous[signum] = signal.signal(signum, self.handle)
+        return self
+
+    def handle(self, signum, frame) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt("interrupted twice: stopped at once; the last checkpoint stays")
+        if self.signal is None:
+            self.signal = signum
+            print(
+                f"\ntinytrain: {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+                "(Ctrl-C again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def __exit__(self, *exc) -> bool:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        return False
+
+
+def prepare_outputs(args) -> Path:
+    """Check, before any step, that every output can be written: ``--out`` (created), the figures
+    in it, and ``--trace`` (a relative path is taken inside ``--out``). Returns ``--out``."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder (it will hold metrics.json, loss.png, ckpt/)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {out} cannot be created ({exc.strerror}); choose another folder") from None
+    _check_writable(out, "--out")
+    if args.trace:
+        trace_path = Path(args.trace) if Path(args.trace).is_absolute() else out / args.trace
+        if trace_path.is_dir():
+            raise ValueError(f"--trace {args.trace} is a folder; give a file name such as run.json")
+        if not trace_path.parent.is_dir():
+            raise ValueError(f"--trace {args.trace}: the folder {trace_path.parent} does not exist; create it first")
+        _check_writable(trace_path.parent, "--trace")
+        args.trace = str(trace_path)
+    return out
+
+
+def _check_writable(folder: Path, flag: str) -> None:
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot write in {folder} ({exc.strerror}); choose a writable folder") from None
+
+
+def default_layout(args) -> None:
+    """``mpirun -n N tinytrain train`` with no layout flag: data parallel over all N ranks (as torchrun
+    users expect), never N separate runs racing on one --out."""
+    rank, world = launched_world()
+    if world > 1 and plan_of(args).is_serial:
+        args.dp = world
+        if rank == 0 and not args.quiet:
+            print(
+                f"tinytrain: {world} ranks, no layout flag: data parallel over all {world} (--dp {world})",
+                file=sys.stderr,
+            )
+
+
 def resume(ckpt: Path, runner, model, optimizer, schedule, args) -> tuple[int, list]:
     """Load the checkpoint (written by any layout) into this layout; return (step, metrics so far)."""
     reader = checkpoint.Reader(ckpt)
     meta = reader.meta
+    mismatch = model_mismatch(meta.get("args", {}), meta.get("model_config", {}), args, model.config)
+    if mismatch:
+        raise ValueError(f"cannot resume from {ckpt}: {mismatch}")
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     saved = {name: tuple(shape) for name, shape in meta["tensors"].items()}
     if set(saved) != set(shapes):

@@ -7,6 +7,7 @@ knows no strategy either: the composition lives there.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -38,6 +39,8 @@ class Runner(Protocol):
     def load(self, reader: checkpoint.Reader, optimizer) -> None: ...  # from a checkpoint of any layout
 
     def step_stats(self) -> dict: ...  # the last step's mixture-of-experts numbers ({} without experts)
+
+    def any_rank(self, flag: bool) -> bool: ...  # True on every rank if ``flag`` is True on one
 
     def finish(self, args, out: Path) -> None: ...  # traces, plots, memory tables
 
@@ -79,6 +82,9 @@ class SerialRunner:
     def step_stats(self) -> dict:
         return moe_step_stats(self.model)
 
+    def any_rank(self, flag: bool) -> bool:
+        return flag
+
     def finish(self, args, out: Path) -> None:
         """``--trace``: this process's spans as a Chrome trace (one rank: forward, backward, optimizer)."""
         if args.trace:
@@ -93,9 +99,11 @@ class MeshRunner:
 
     def __init__(self, model, plan, batch_size: int):
         from tinytrain import distributed as dist
+        from tinytrain.distributed import watchdog
         from tinytrain.parallel.hybrid import parallelize
 
         dist.init()
+        watchdog.start_heartbeat()  # an honest long wait (a slow stage, a big save) is not a failure
         self.dist, self.model, self.plan = dist, model, plan
         plan.check(dist.get_world_size(), model.config, batch_size)
         self.rank, self.is_main = dist.get_rank(), dist.get_rank() == 0
@@ -122,6 +130,14 @@ class MeshRunner:
 
     def step_stats(self) -> dict:
         return self.parallel.step_stats()
+
+    def any_rank(self, flag: bool) -> bool:
+        """One 4-byte all-reduce: a signal may reach the ranks during different steps."""
+        import numpy
+
+        votes = numpy.array([float(flag)], dtype=numpy.float32)
+        self.dist.all_reduce(votes, op="max")
+        return bool(votes[0])
 
     def save(self, folder, step: int, optimizer, meta: dict) -> None:
         pieces, scalars = self.parallel.checkpoint_pieces(optimizer)
@@ -183,6 +199,19 @@ class MeshRunner:
 
 def _shapes(model) -> dict:
     return {name: p.shape for name, p in model.named_parameters()}
+
+
+def launched_world() -> tuple[int, int]:
+    """(rank, ranks) of this process's MPI job: tinytrain.distributed's world once it started (the
+    test harness gives a single-process test a world of one), else what the launcher put in the
+    environment (MPICH, Open MPI), without starting MPI."""
+    dist = sys.modules.get("tinytrain.distributed")
+    if dist is not None and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    for rank, size in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
+        if os.environ.get(size, "").isdigit():
+            return int(os.environ.get(rank, "0") or 0), int(os.environ[size])
+    return 0, 1
 
 
 def make_runner(model, plan, batch_size: int):
