@@ -19,6 +19,7 @@ import pytest
 from grader.seeds import grading_seed
 from tinytrain import distributed as dist
 from tinytrain import functional as F
+from tinytrain.autograd import Parameter
 from tinytrain.backend import to_host, xp
 from tinytrain.data import shard_rows
 from tinytrain.nn import GPT, GPTConfig
@@ -184,9 +185,111 @@ def test_no_sync_accumulates_without_communicating(impl, kind):
             ddp.backward(loss_on(ddp, x, y))
     assert stats.sent() == 0, case.what("a backward inside no_sync() must not communicate")
     assert ddp.require_sync, "no_sync() must restore synchronization when the block ends"
+    check_no_sync_restores_the_previous_state(ddp)
     opt.zero_grad()
     train(case, model, ddp, opt.step, accum=4)
     check_params(case, model, want, f"{kind} with 4 accumulated micro-batches")
+
+
+class _Boom(Exception):
+    pass
+
+
+def check_no_sync_restores_the_previous_state(ddp) -> None:
+    with ddp.no_sync():
+        with ddp.no_sync():
+            pass
+        assert not ddp.require_sync, (
+            "a no_sync() nested inside another must leave synchronization off when it ends (restore the "
+            "previous value, not True)"
+        )
+    assert ddp.require_sync, "no_sync() must restore synchronization when the outer block ends"
+    with contextlib.suppress(_Boom), ddp.no_sync():
+        raise _Boom
+    assert ddp.require_sync, (
+        "no_sync() must restore the previous state when the block ends with an exception (try/finally)"
+    )
+
+
+# --- a parameter unused on one rank, poll, a gradient ready twice ----------------------------------
+
+USES_AUX = (True, True, True, False)  # rank 3's loss never touches `aux`: its gradient stays None there
+
+
+def with_aux(case, model):
+    """``model`` plus a parameter ``aux`` whose loss term ranks 0-2 add and rank 3 does not."""
+    model.aux = Parameter(xp.asarray(np.random.default_rng(case.seed).normal(size=8).astype(np.float32)))
+    return model
+
+
+def aux_term(model, share):
+    return (model.aux * model.aux).sum() * share
+
+
+def serial_with_aux(case):
+    model = with_aux(case, case.model())
+    opt = sgd(model)
+    for t in range(STEPS):
+        opt.zero_grad()
+        (loss_on(model, *case.batch(t)) + aux_term(model, sum(USES_AUX) / 4)).backward()
+        opt.step()
+    return {n: to_host(p.data) for n, p in model.named_parameters()}
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param("NaiveDDP", marks=pytest.mark.task("2.1")),
+        pytest.param("BucketedDDP", marks=pytest.mark.task("2.2")),
+    ],
+)
+def test_a_parameter_without_gradient_on_one_rank_still_takes_part(impl, kind):
+    """A parameter no rank-3 loss uses has no gradient there (None): rank 3 must still take part in
+    its all-reduce, with zeros, or the ranks' collectives no longer match."""
+    case = Case()
+    want = serial_with_aux(case)
+    rank = dist.get_rank()
+    model = with_aux(case, case.model())
+    ddp = getattr(impl.data_parallel, kind)(model)
+    opt = sgd(model)
+    for t in range(STEPS):
+        opt.zero_grad()
+        x, y = (shard_rows(a, rank, 4) for a in case.batch(t))
+        loss = loss_on(ddp, x, y)
+        ddp.backward(loss + aux_term(model, 1.0) if USES_AUX[rank] else loss)
+        opt.step()
+    check_params(case, model, want, f"{kind} with a parameter that has no gradient on rank 3")
+
+
+@pytest.mark.task("2.2")
+@pytest.mark.world_size(4)
+def test_bucketed_ddp_polls_while_backward_runs_and_refuses_a_gradient_ready_twice(impl, monkeypatch):
+    case = Case()
+    rank = dist.get_rank()
+    model = case.model()
+    ddp = impl.data_parallel.BucketedDDP(model, bucket_mb=0.015, poll=True)
+    polls = []
+    progress_all = dist.progress_all
+    monkeypatch.setattr(dist, "progress_all", lambda *a, **k: (polls.append(1), progress_all(*a, **k))[1])
+    x, y = (shard_rows(a, rank, 4) for a in case.batch(0))
+    hooks = sum(p.requires_grad for p in model.parameters())
+    loss_on(ddp, x, y).backward()  # only the engine, so only the hooks can have polled
+    assert len(polls) >= hooks, case.what(
+        f"with poll=True the hooks called dist.progress_all() {len(polls)} times during a backward of {hooks} "
+        "gradients: poll once per ready gradient, so the launched all-reduces move while backward runs"
+    )
+    try:
+        loss_on(ddp, x, y).backward()  # before the gradients were synchronized: each is ready twice
+        twice = None
+    except Exception as exc:  # noqa: BLE001 - any clear error will do
+        twice = exc
+    finally:
+        ddp.finish_gradient_sync()
+    assert twice is not None and not isinstance(twice, NotImplementedError), case.what(
+        "a second backward before the gradients were synchronized must raise (a gradient ready twice in one "
+        "step would be averaged with the wrong data); it passed silently"
+    )
 
 
 # --- 2.4 parameter server --------------------------------------------------------------------------
