@@ -12,6 +12,9 @@ For every collective and message size, both implementations run in the same proc
   all_gather, reduce_scatter and all_to_all, 1 for broadcast.
 * ``ratio`` = our busbw / MPI's busbw (above 1: ours is faster).
 
+``--receive-check`` also times ours with the per-receive byte-count check switched off (interleaved
+with the rest) and prints what the check costs, in percent of our time (``check %``; about 0 is the
+goal: the check is one ``MPI_Get_count`` per message).
 ``--overlap`` instead measures how much of an async all_reduce hides behind computation.
 ``--impl assignments`` benches a student's ``assignments/a1_collectives.py`` instead of tinytrain's
 own collectives (collectives still at TODO are listed and left out).
@@ -62,6 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     parser.add_argument("--overlap", action="store_true", help="measure compute/communication overlap instead")
     parser.add_argument(
+        "--device",
+        action="store_true",
+        help="our buffers on the device (TINYTRAIN_DEVICE=gpu or strict); MPI's own on the device if CUDA-aware",
+    )
+    parser.add_argument(
+        "--receive-check",
+        action="store_true",
+        help="also time ours without the per-receive byte-count check and print its cost (check %%)",
+    )
+    parser.add_argument(
         "--impl",
         choices=("reference", "assignments"),
         default="reference",
@@ -83,60 +96,104 @@ def _implementation(impl: str):
     return distributed
 
 
-def _setups(name: str, size: int, n: int, comm, algo, dist=None):
-    """(ours, mpi) zero-argument callables for one collective at nccl-tests size ``size`` bytes."""
+def _setups(name: str, size: int, n: int, comm, algo, dist=None, on_device=False):
+    """(ours, mpi) zero-argument callables for one collective at nccl-tests size ``size`` bytes.
+
+    ``on_device``: our buffers live on the backend's device (CuPy, or the strict stand-in); MPI's own
+    get device memory too when MPI is CUDA-aware, else host memory (what it can read).
+    """
     from tinytrain.distributed._mpi import MPI
 
     dist = dist or _implementation("reference")
-
     count = max(1, size // 4)
-    zeros = lambda k: numpy.zeros(k, dtype=numpy.float32)  # noqa: E731  (zeros: sums stay finite)
+    ours_zeros, mpi_zeros = _allocators(on_device)  # zeros: sums stay finite
     if name == "all_reduce":
-        a, b, c = zeros(count), zeros(count), zeros(count)
+        a, b, c = ours_zeros(count), mpi_zeros(count), mpi_zeros(count)
         return (lambda: dist.all_reduce(a, algo=algo)), (lambda: comm.Allreduce(b, c, op=MPI.SUM))
     piece = max(1, count // n)
     if name == "all_gather":
-        x, out1, out2 = zeros(piece), zeros(piece * n), zeros(piece * n)
-        return (lambda: dist.all_gather(x, out=out1)), (lambda: comm.Allgather(x, out2))
+        x, out1, y, out2 = ours_zeros(piece), ours_zeros(piece * n), mpi_zeros(piece), mpi_zeros(piece * n)
+        return (lambda: dist.all_gather(x, out=out1)), (lambda: comm.Allgather(y, out2))
     if name == "reduce_scatter":
-        x, out1, out2 = zeros(piece * n), zeros(piece), zeros(piece)
-        return (lambda: dist.reduce_scatter(x, out=out1)), (lambda: comm.Reduce_scatter_block(x, out2))
+        x, out1, y, out2 = ours_zeros(piece * n), ours_zeros(piece), mpi_zeros(piece * n), mpi_zeros(piece)
+        return (lambda: dist.reduce_scatter(x, out=out1)), (lambda: comm.Reduce_scatter_block(y, out2))
     if name == "all_to_all":
-        x, out1, out2 = zeros(piece * n), zeros(piece * n), zeros(piece * n)
-        return (lambda: dist.all_to_all(x, out=out1)), (lambda: comm.Alltoall(x, out2))
+        x, out1, y, out2 = ours_zeros(piece * n), ours_zeros(piece * n), mpi_zeros(piece * n), mpi_zeros(piece * n)
+        return (lambda: dist.all_to_all(x, out=out1)), (lambda: comm.Alltoall(y, out2))
     if name == "broadcast":
-        a, b = zeros(count), zeros(count)
+        a, b = ours_zeros(count), mpi_zeros(count)
         return (lambda: dist.broadcast(a, src=0)), (lambda: comm.Bcast(b, root=0))
     raise ValueError(name)
 
 
+def _allocators(on_device: bool):
+    """(zeros for our buffers, zeros for MPI's own buffers)."""
+
+    def host(k):
+        return numpy.zeros(k, dtype=numpy.float32)
+
+    if not on_device:
+        return host, host
+    from tinytrain import backend
+    from tinytrain.distributed import cuda_aware
+
+    def device(k):
+        return backend.xp.zeros(k, dtype=numpy.float32)
+
+    def for_mpi(k):
+        buf = device(k)
+        backend.synchronize()  # MPI reads device memory outside any stream
+        return backend.device_buffer(buf)
+
+    return device, (for_mpi if cuda_aware() else host)
+
+
 def _time(fn, iters: int, comm) -> float:
     """Seconds per call of ``fn`` on the slowest rank."""
+    from tinytrain import backend
     from tinytrain.distributed._mpi import MPI
 
     comm.Barrier()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
+    backend.synchronize()  # on a GPU: queued work counts too
     elapsed = (time.perf_counter() - start) / iters
     return comm.allreduce(elapsed, op=MPI.MAX)
 
 
-def _measure(name, size, n, comm, algo, rounds, dist=None):
-    ours, mpi = _setups(name, size, n, comm, algo, dist)
-    ours(), mpi()  # warm up: first-touch pages, MPI connection setup
+def _unchecked(fn):
+    """``fn`` with the per-receive byte-count check of p2p switched off (to measure what it costs)."""
+    from tinytrain.distributed import p2p
+
+    def call():
+        p2p.check_receives = False
+        try:
+            fn()
+        finally:
+            p2p.check_receives = True
+
+    return call
+
+
+def _measure(name, size, n, comm, algo, rounds, dist=None, receive_check=False, on_device=False):
+    """Best seconds per call of (ours, MPI's, ours without the receive check or None)."""
+    ours, mpi = _setups(name, size, n, comm, algo, dist, on_device)
+    candidates = [ours, mpi] + ([_unchecked(ours)] if receive_check else [])
+    for fn in candidates:
+        fn()  # warm up: first-touch pages, MPI connection setup
     iters = max(2, min(100, (32 << 20) // max(size, 1)))
-    best_ours = best_mpi = float("inf")
+    best = [float("inf")] * len(candidates)
     for _ in range(rounds):  # interleaved, keep the best of each: noise only ever adds time
-        best_ours = min(best_ours, _time(ours, iters, comm))
-        best_mpi = min(best_mpi, _time(mpi, iters, comm))
-    return best_ours, best_mpi
+        best = [min(b, _time(fn, iters, comm)) for b, fn in zip(best, candidates)]
+    return best[0], best[1], (best[2] if receive_check else None)
 
 
 # --- the benchmark ---------------------------------------------------------------------------------
 
 
 def run(args) -> int:
+    from tinytrain import backend
     from tinytrain import distributed as dist
     from tinytrain.distributed.collectives import choose_all_reduce_algo
 
@@ -146,17 +203,26 @@ def run(args) -> int:
         return _overlap(comm)
     sizes = [_parse_size(s) for s in args.sizes] if args.sizes else [1 << k for k in range(10, 27, 2)]
     rows = []
+    receive_check, on_device = getattr(args, "receive_check", False), getattr(args, "device", False)
+    if on_device and not backend.on_device:
+        raise ValueError("--device needs a device: run with TINYTRAIN_DEVICE=gpu (or strict, the stand-in)")
     if rank == 0:
-        print(f"# tinytrain bench collectives: {n} ranks, float32, best of {args.rounds} interleaved rounds")
+        where = "host buffers"
+        if on_device:
+            where = f"{backend.device} device buffers, MPI {'CUDA-aware' if dist.cuda_aware() else 'staged via host'}"
+        print(f"# tinytrain bench collectives: {n} ranks, float32, {where}, best of {args.rounds} interleaved rounds")
         print(
             f"# {'collective':<15}{'algo':<20}{'size':>7}{'time us':>11}{'algbw GB/s':>12}"
             f"{'busbw GB/s':>12}{'MPI busbw':>11}{'ratio':>7}"
+            + (f"{'check %':>9}" if getattr(args, "receive_check", False) else "")
         )
     impl = _implementation(getattr(args, "impl", "reference"))
     for name in args.collectives:
         for size in sizes:
             try:
-                ours, mpi = _measure(name, size, n, comm, args.algo, args.rounds, impl)
+                ours, mpi, unchecked = _measure(
+                    name, size, n, comm, args.algo, args.rounds, impl, receive_check, on_device
+                )
             except NotImplementedError as todo:  # every rank runs the same stub, so all skip it
                 if rank == 0:
                     print(f"  {name:<15}not benched: {todo}", flush=True)
@@ -182,12 +248,17 @@ def run(args) -> int:
                 "mpi_busbw_gbps": size / mpi / 1e9 * factor,
             }
             row["ratio"] = mpi / ours  # = busbw / mpi_busbw
+            check = ""
+            if unchecked is not None:
+                row["time_unchecked_us"] = unchecked * 1e6
+                row["receive_check_pct"] = 100 * (ours / unchecked - 1)
+                check = f"{row['receive_check_pct']:>9.1f}"
             rows.append(row)
             if rank == 0:
                 print(
                     f"  {name:<15}{algo:<20}{_fmt_size(size):>7}{row['time_us']:>11.1f}"
                     f"{row['algbw_gbps']:>12.3f}{row['busbw_gbps']:>12.3f}{row['mpi_busbw_gbps']:>11.3f}"
-                    f"{row['ratio']:>7.2f}",
+                    f"{row['ratio']:>7.2f}{check}",
                     flush=True,
                 )
     if rank == 0 and args.json:

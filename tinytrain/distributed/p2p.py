@@ -211,18 +211,21 @@ class Exchange:
         )
 
     def _failed(self, i: int, exc) -> CommError:
-        self.group.broken = f"CommError in {self.op}"
         label, peer = self.labels[i]
         buf = self.expect[i]
+        reason = MPI.Get_error_string(exc.Get_error_class())  # one line ("Message truncated"), not MPICH's stack
         if buf is None:
-            return CommError(f"{self._where(label, peer)}: MPI failed: {exc}")
-        if exc.Get_error_class() == MPI.ERR_TRUNCATE:
-            return MessageSizeMismatch(
-                f"{self._where(label, peer)}: MPI failed: {exc}. Rank {peer} sent more than the {buf.nbytes} bytes "
-                f"this rank expected ({_describe(buf)}): it called {self.op} with a larger size or dtype; every rank "
-                "of the group must pass matching shapes and dtypes (TINYTRAIN_DEBUG=1 names both calls)."
+            error = CommError(f"{self._where(label, peer)}: MPI failed: {reason}")
+        elif exc.Get_error_class() == MPI.ERR_TRUNCATE:
+            error = MessageSizeMismatch(
+                f"{self._where(label, peer)}: MPI failed: {reason}. Rank {peer} sent more than the {buf.nbytes} "
+                f"bytes this rank expected ({_describe(buf)}): it called {self.op} with a larger size or dtype; "
+                "every rank of the group must pass matching shapes and dtypes (TINYTRAIN_DEBUG=1 names both calls)."
             )
-        return CommError(f"{self._where(label, peer)}, expecting {_describe(buf)}: MPI failed: {exc}")
+        else:
+            error = CommError(f"{self._where(label, peer)}, expecting {_describe(buf)}: MPI failed: {reason}")
+        self.group.broken = f"{type(error).__name__} in {self.op}"
+        return error
 
     def _mpi_error(self, exc, doing: str, peer: int) -> CommError:
         return CommError(

@@ -1,0 +1,99 @@
+"""Every receive checks what arrived (issue 17): ranks that call a collective with different sizes or
+dtypes get an error in words on the rank that saw it, not garbage, with the debug signature check off.
+
+Too few bytes arriving is caught by comparing MPI's count with the buffer; too many is MPI's
+"Message truncated", re-raised with the operation, step, both ranks, sizes and the caller's line.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from tinytrain import distributed as dist
+from tinytrain.bench import collectives as bench
+from tinytrain.distributed.p2p import CommError, MessageSizeMismatch
+
+
+@pytest.fixture
+def no_debug(monkeypatch):
+    """Default settings: the signature cross-check (on in tests) is off, as in a user's run."""
+    monkeypatch.setenv("TINYTRAIN_DEBUG", "0")
+
+
+@pytest.mark.world_size(4)
+def test_one_rank_on_float64_fails_in_words_and_the_others_hear_of_it(no_debug):
+    """Issue 17's case: rank 1 all_reduces float64, the others float32 (recursive doubling:
+    round 1 pairs 0-1 and 2-3, round 2 pairs 0-2 and 1-3)."""
+    r = dist.get_rank()
+    x = np.ones(8, dtype=np.float64 if r == 1 else np.float32)
+    if r in (0, 1):
+        with pytest.raises(MessageSizeMismatch) as err:
+            dist.all_reduce(x)
+        dist.report_failure(f"{err.type.__name__}: {err.value}")  # what an uncaught error does
+        text = str(err.value)
+        peer = 1 - r
+        assert f"rank {r} recv from rank {peer}" in text and "all_reduce" in text and "recursive doubling" in text
+        if r == 0:  # 32 bytes (8 float32) expected, 64 sent: MPI's "Message truncated"
+            assert "truncated" in text and "Rank 1 sent more than the 32 bytes this rank expected (8 x float32" in text
+        else:  # rank 1 expected 64 bytes; rank 0 sent 32 bytes
+            assert "32 bytes arrived, but this rank expected 64 bytes (8 x float64" in text
+        assert "test_checked_receives.py" in text  # the caller's line
+    else:
+        with pytest.raises(dist.PeerFailure, match="MessageSizeMismatch"):
+            dist.all_reduce(x)
+
+
+@pytest.mark.world_size(2)
+def test_point_to_point_too_long_and_too_short(no_debug):
+    r = dist.get_rank()
+    first, second = dist.new_group([0, 1], name="first"), dist.new_group([0, 1], name="second")
+    if r == 0:
+        dist.send(np.arange(10.0), 1, group=first)
+        dist.send(np.arange(3.0), 1, group=second)
+        return
+    with pytest.raises(MessageSizeMismatch, match=r"rank 1 recv from rank 0 .*MPI failed: .*truncated") as err:
+        dist.recv(np.zeros(5), 0, group=first)  # 10 floats into 5
+    assert "Rank 0 sent more than the 40 bytes this rank expected (5 x float64" in str(err.value)
+    assert isinstance(err.value, CommError)
+    with pytest.raises(dist.DistributedError, match="unusable after an earlier MessageSizeMismatch"):
+        dist.recv(np.zeros(5), 0, group=first)  # its messages may still be in flight
+    with pytest.raises(MessageSizeMismatch, match="24 bytes arrived, but this rank expected 40 bytes"):
+        dist.recv(np.zeros(5), 0, group=second)
+
+
+@pytest.mark.world_size(3)
+def test_all_gather_with_a_wrong_row_count_names_the_step(no_debug):
+    r = dist.get_rank()
+    x = np.full((3 if r == 2 else 2, 4), float(r), dtype=np.float32)
+    with pytest.raises((MessageSizeMismatch, dist.PeerFailure)) as err:
+        try:
+            dist.all_gather(x)
+        except MessageSizeMismatch as exc:
+            dist.report_failure(f"MessageSizeMismatch: {exc}")
+            raise
+    if isinstance(err.value, MessageSizeMismatch):
+        assert "ring all-gather step" in str(err.value) and "float32" in str(err.value)
+
+
+@pytest.mark.world_size(2)
+def test_bench_collectives_reports_the_cost_of_the_receive_check(capsys):
+    args = argparse.Namespace(
+        sizes=["4K"],
+        collectives=["all_reduce"],
+        algo="ring",
+        rounds=1,
+        json=None,
+        overlap=False,
+        impl="reference",
+        device=False,
+        receive_check=True,
+    )
+    assert bench.run(args) == 0
+    if dist.get_rank() == 0:
+        out = capsys.readouterr().out
+        assert "check %" in out
+        row = [line for line in out.splitlines() if line.strip().startswith("all_reduce")][0]
+        float(row.split()[-1])  # a number: the check's cost in percent of our time
