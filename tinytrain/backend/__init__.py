@@ -112,7 +112,9 @@ def _choose():
     try:  # auto: a GPU if one really works, else quietly the CPU
         return _load_cupy(), "gpu", "TINYTRAIN_DEVICE=auto and CuPy found a working GPU"
     except BackendError as exc:
-        return numpy, "cpu", f"TINYTRAIN_DEVICE=auto and no usable GPU ({exc})"
+        cause = exc.__cause__
+        found = f"{type(cause).__name__}: {cause}" if cause else "CuPy sees no CUDA device"
+        return numpy, "cpu", f"TINYTRAIN_DEVICE=auto (the default) and no usable GPU ({found})"
 
 
 xp, device, device_reason = _choose()

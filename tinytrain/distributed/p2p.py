@@ -72,16 +72,23 @@ def cuda_aware() -> bool:
     """Can MPI read and write GPU memory directly? (cached; see the module docstring)"""
     global _cuda_aware
     if _cuda_aware is None:
-        env = os.environ.get("TINYTRAIN_CUDA_AWARE_MPI")
-        if env in ("0", "1"):
-            _cuda_aware = env == "1"
-        else:
-            query = getattr(MPI, "Query_cuda_support", None)  # mpi4py >= 4 wraps MPIX_Query_cuda_support
-            try:
-                _cuda_aware = bool(query()) if query else False
-            except Exception:
-                _cuda_aware = False
+        _cuda_aware = cuda_aware_reason()[0]
     return _cuda_aware
+
+
+def cuda_aware_reason() -> tuple[bool, str]:
+    """(is MPI CUDA-aware, how we know), from the setting or the MPI library (``tinytrain doctor``)."""
+    env = os.environ.get("TINYTRAIN_CUDA_AWARE_MPI")
+    if env in ("0", "1"):
+        return env == "1", f"TINYTRAIN_CUDA_AWARE_MPI={env}"
+    query = getattr(MPI, "Query_cuda_support", None)  # mpi4py >= 4 wraps MPIX_Query_cuda_support
+    if query is None:
+        return False, "this MPI has no MPIX_Query_cuda_support, so assumed not (TINYTRAIN_CUDA_AWARE_MPI=1 overrides)"
+    try:
+        answer = bool(query())
+    except Exception as exc:  # an MPI without the extension raises MPI.Exception
+        return False, f"MPIX_Query_cuda_support failed ({exc}), so assumed not"
+    return answer, f"MPIX_Query_cuda_support() says {'yes' if answer else 'no'}"
 
 
 def _is_device(arr) -> bool:
