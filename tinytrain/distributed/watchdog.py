@@ -211,7 +211,8 @@ def _poll_beats(comm) -> None:
 def _why_stuck(peers: list[int]) -> str | None:
     """None if the waits starting at ``peers`` lead to a rank that is alive and computing (an honest
     long wait); else why not, in words. Only meaningful while heartbeats run."""
-    now, seen, todo, reasons = time.monotonic(), set(), list(peers), []
+    me = _alert_comm.Get_rank()
+    now, seen, todo, reasons = time.monotonic(), {me}, list(peers), []
     while todo:
         rank = todo.pop()
         if rank in seen:
@@ -219,16 +220,16 @@ def _why_stuck(peers: list[int]) -> str | None:
         seen.add(rank)
         heard, state = beats.get(rank, (None, {}))
         if heard is None or now - heard > 4 * _BEAT_EVERY:
-            reasons.append(f"rank {rank} sent no heartbeat for {4 * _BEAT_EVERY:g} s (stopped or frozen?)")
+            reasons.append(f"rank {rank} has sent no heartbeat for over {4 * _BEAT_EVERY:g} s (stopped or frozen?)")
         elif state.get("finished"):
             reasons.append(f"rank {rank} has finished")
         elif state.get("waiting_for") is None:
             return None  # alive and computing: the wait is honest
         else:
             todo.extend(state["waiting_for"])
-    waiting = sorted(r for r in seen if beats.get(r, (0, {}))[1].get("waiting_for") is not None)
-    if waiting:
-        reasons.append(f"ranks {waiting} are all waiting themselves (a deadlock or a skipped call)")
+    waiting = sorted(r for r in seen if r == me or beats.get(r, (0, {}))[1].get("waiting_for") is not None)
+    if len(waiting) > 1:
+        reasons.append(f"ranks {waiting} are all waiting, for each other (a deadlock or a skipped call)")
     return "; ".join(reasons)
 
 

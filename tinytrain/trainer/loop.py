@@ -102,15 +102,16 @@ def run(args) -> int:
         trace.clear()  # this run's spans only (an in-process caller may have traced before)
         trace.enable()
     try:
-        return train(args)
+        code = train(args)
     finally:
         if tracing:
             trace.enable(False)
-        _stop_heartbeat()
+    _stop_heartbeat()  # not after an error: the CLI ends the job, and the cause is its message
+    return code
 
 
 def _stop_heartbeat() -> None:
-    """This rank is done (or failing): stop telling the others that it computes."""
+    """This rank is done: tell the others it will not answer any more (a wait for it is a failure)."""
     dist = sys.modules.get("tinytrain.distributed")
     if dist is not None and dist.is_initialized():
         from tinytrain.distributed import watchdog

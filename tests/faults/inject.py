@@ -1,0 +1,69 @@
+"""Run ``tinytrain`` (as the program: errors end the job) with one fault injected on one rank.
+
+    FAULT=skip RANK=3 STEP=2 mpirun -n 4 python tests/faults/inject.py train --dp 4 ...
+
+The fault happens in the step-end vote every layout takes (``MeshRunner.any_rank``: "did a rank
+get a signal?", an all-reduce over the world), on rank ``RANK`` at step ``STEP``:
+
+    raise    raise RuntimeError before the vote's all-reduce
+    skip     do not take part in the vote (the rank goes on to the next step's collectives)
+    dtype    vote with a float64 array (the others: float32)
+    shape    vote with 2 elements (the others: 1)
+    sendsend ranks RANK and RANK+1 both send 4 MB to each other, then receive: neither receive is posted
+    kill     SIGKILL this rank
+    stop     SIGSTOP this rank (frozen: alive to the OS, silent to MPI)
+    spin     loop forever in pure Python
+    slow     sleep 6 s (an honest slow rank: the job must finish)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy
+
+from tinytrain.cli import main
+from tinytrain.trainer import runners
+
+FAULT, RANK, STEP = os.environ["FAULT"], int(os.environ.get("RANK", "1")), int(os.environ.get("STEP", "2"))
+_real_any_rank = runners.MeshRunner.any_rank
+_votes = {"n": 0}
+
+
+def any_rank(self, flag: bool) -> bool:
+    _votes["n"] += 1
+    if _votes["n"] != STEP or self.rank not in (RANK, RANK + 1):
+        return _real_any_rank(self, flag)
+    if FAULT == "sendsend":
+        peer = RANK + 1 if self.rank == RANK else RANK
+        big = numpy.ones(1 << 20, dtype=numpy.float32)
+        self.dist.send(big, dst=peer)
+        self.dist.recv(big, src=peer)
+        return _real_any_rank(self, flag)
+    if self.rank != RANK:
+        return _real_any_rank(self, flag)
+    if FAULT == "raise":
+        raise RuntimeError(f"injected fault on rank {self.rank} before the vote")
+    if FAULT == "skip":
+        return False
+    if FAULT in ("dtype", "shape"):
+        votes = numpy.zeros(2 if FAULT == "shape" else 1, dtype=numpy.float64 if FAULT == "dtype" else numpy.float32)
+        self.dist.all_reduce(votes, op="max")
+        return bool(votes[0])
+    if FAULT == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if FAULT == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if FAULT == "spin":
+        while True:
+            pass
+    if FAULT == "slow":
+        time.sleep(6)
+    return _real_any_rank(self, flag)
+
+
+runners.MeshRunner.any_rank = any_rank
+sys.exit(main())

@@ -1,0 +1,119 @@
+"""Fault injection: every fault ends the whole job within its budget, with a message that names it.
+
+Each case starts its own ``mpirun`` (``inject.py`` puts one fault into a real ``tinytrain train``
+run on one rank) or a single ``tinytrain`` process, and checks the exit code, the seconds until
+the last process ended, and the message. They carry no world_size marker: under an outer
+``mpirun -n 4 pytest`` they run on rank 0 only. Deadlines are short (``TINYTRAIN_TIMEOUT=2``) so
+the suite stays fast; the defaults (20 s, 600 s for a busy peer) are only larger.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grader.run import mpi_environment
+
+HERE = Path(__file__).parent
+TINY = (
+    "--layers 1 --width 32 --heads 2 --batch-size 8 --steps 4 --eval-every 2 --eval-batches 1 --warmup 1 "
+    "--no-plot --quiet"
+).split()
+
+pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
+
+
+def run(argv, tmp_path, ranks: int | None = None, budget: float = 30, **env):
+    """Run ``argv`` (under ``mpirun -n ranks`` when given); return (exit code, seconds, output)."""
+    environ = dict(mpi_environment(), TINYTRAIN_DEVICE="cpu", TINYTRAIN_TIMEOUT="2", **env)
+    environ.pop("TINYTRAIN_DEBUG", None)  # the test harness turns it on; the program runs as a user's
+    command = (["mpirun", "-n", str(ranks)] if ranks else []) + argv
+    start = time.monotonic()
+    r = subprocess.run(command, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=budget + 30)
+    return r.returncode, time.monotonic() - start, r.stdout + r.stderr
+
+
+def inject(tmp_path, fault: str, rank: int, ranks: int = 2, **env):
+    argv = [sys.executable, str(HERE / "inject.py"), "train", *TINY, "--dp", str(ranks), "--out", "run"]
+    return run(argv, tmp_path, ranks, FAULT=fault, RANK=str(rank), STEP="2", **env)
+
+
+# fault, rank, ranks, budget in seconds, exit code, what the output must say
+CASES = [
+    ("raise", 1, 4, 12, 1, [r"rank 1: error: RuntimeError: injected fault on rank 1 before the vote"]),
+    ("skip", 1, 2, 12, 1, [r"CommTimeout: all_reduce.*timed out after 2\.\d s waiting for recv from rank 1"]),
+    ("sendsend", 0, 2, 12, 1, [r"CommTimeout: send.*rank 1", r"(?i)ranks \[0, 1\] are all waiting, for each other"]),
+    ("kill", 1, 2, 12, 9, [r"Killed|signal 9|KILLED"]),
+    ("stop", 1, 2, 15, 1, [r"waiting for recv from rank 1", r"(?i)rank 1 has sent no heartbeat.*stopped or frozen"]),
+    ("spin", 1, 2, 15, 1, [r"waiting for recv from rank 1", r"busy after TINYTRAIN_BUSY_TIMEOUT=4"]),
+    # shapes and dtypes that differ across ranks: the receive checks the bytes it got (p2p.py)
+    ("dtype", 1, 2, 12, None, [r"rank 1", r"rank 0", r"all_reduce", r"float32"]),
+    ("shape", 1, 2, 12, None, [r"rank 1", r"rank 0", r"all_reduce", r"float32"]),
+]
+
+
+@pytest.mark.parametrize("fault,rank,ranks,budget,code,messages", CASES, ids=[c[0] for c in CASES])
+def test_a_fault_ends_the_job_with_its_message(tmp_path, fault, rank, ranks, budget, code, messages):
+    import re
+
+    rc, seconds, output = inject(tmp_path, fault, rank, ranks, TINYTRAIN_BUSY_TIMEOUT="4")
+    print(f"FAULT {fault}: exit {rc} after {seconds:.1f} s\n{output}")
+    assert rc != 0 and (code is None or rc == code), output
+    assert seconds < budget, (seconds, output)
+    for message in messages:
+        assert re.search(message, output), (message, output)
+    assert "Traceback" not in output
+    if fault not in ("kill",):
+        errors = [line for line in output.splitlines() if "error:" in line]
+        assert len(errors) == 1, output  # printed once
+
+
+def test_an_honest_slow_rank_is_not_a_failure(tmp_path):
+    """Rank 1 sleeps 6 s in a step (TINYTRAIN_TIMEOUT=2): its heartbeats say it computes, so the
+    others keep waiting and the run ends normally."""
+    rc, seconds, output = inject(tmp_path, "slow", 1)
+    assert rc == 0, output
+    assert seconds > 6
+    assert (tmp_path / "run" / "metrics.json").is_file()
+
+
+def test_a_damaged_checkpoint_is_one_sentence(tmp_path):
+    train = [sys.executable, "-m", "tinytrain.cli", "train", *TINY, "--out", "run"]
+    assert run(train, tmp_path)[0] == 0
+    (piece,) = (tmp_path / "run" / "ckpt").glob("step-*/rank-00000.npz")
+    piece.write_bytes(piece.read_bytes()[:300])  # truncated
+    for argv in (
+        train + ["--resume", "--steps", "6"],
+        [sys.executable, "-m", "tinytrain.cli", "sample", "--ckpt", "run/ckpt"],
+    ):
+        rc, seconds, output = run(argv, tmp_path)
+        assert rc == 2 and "Traceback" not in output, output
+        assert "is damaged or truncated (step-000000004/rank-00000: BadZipFile" in output, output
+    (tmp_path / "run" / "ckpt" / "manifest.json").write_text("{not json")
+    rc, _, output = run(train + ["--resume"], tmp_path)
+    assert rc == 2 and "is damaged or truncated (manifest.json: JSONDecodeError" in output, output
+
+
+@pytest.mark.parametrize(
+    "content,message,ranks",
+    [
+        (b"", r"has 0 characters", None),
+        (bytes(range(256)) * 40, r"utf-8|UTF-8|not a text file", 2),
+        (b"abc\n" * 20, r"has 80 characters", None),
+    ],
+    ids=["empty", "binary-2-ranks", "short"],
+)
+def test_a_bad_data_file_is_one_sentence(tmp_path, content, message, ranks):
+    import re
+
+    (tmp_path / "data.txt").write_bytes(content)
+    argv = [sys.executable, "-m", "tinytrain.cli", "train", *TINY, "--data", "data.txt", "--out", "run"]
+    rc, seconds, output = run(argv, tmp_path, ranks=ranks)
+    assert rc == 2 and seconds < 20 and "Traceback" not in output, output
+    assert re.search(message, output), output
+    assert len([line for line in output.splitlines() if "error:" in line]) == 1, output
