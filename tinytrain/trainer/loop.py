@@ -154,7 +154,7 @@ def train(args) -> int:
     progress = Progress(args.steps, quiet)
     tokens_per_step = args.batch_size * dataset.block_size
     saved_step = start_step
-    with Interrupts() as interrupts:
+    with Interrupts(announce=runner.is_main) as interrupts:
         for step in range(start_step + 1, args.steps + 1):
             t0 = time.perf_counter()
             _random.manual_seed((args.seed, step))  # dropout masks depend on (seed, step, site) only
@@ -204,7 +204,8 @@ def train(args) -> int:
     write_metrics(out, metrics, args, dataset)
     if not quiet:
         summary = ", ".join(f"{k} {v:.4f}" for k, v in final.items())
-        print(f"done: {summary}; wrote {out}/metrics.json, loss.png, ckpt/", file=sys.stderr)
+        wrote = "metrics.json, ckpt/" if args.no_plot else "metrics.json, loss.png, ckpt/"
+        print(f"done: {summary}; wrote {wrote} in {out}", file=sys.stderr)
     return 0
 
 
@@ -256,7 +257,8 @@ class Interrupts:
 
     Installed only in the main thread (Python allows handlers nowhere else); restored on exit."""
 
-    def __init__(self):
+    def __init__(self, announce: bool = True):
+        self.announce = announce  # one rank says what happens
         self.signal: int | None = None
         self.previous: dict = {}
 
@@ -271,6 +273,7 @@ class Interrupts:
             raise KeyboardInterrupt("interrupted twice: stopped at once; the last checkpoint stays")
         if self.signal is None:
             self.signal = signum
+        if self.announce and signum == self.signal:
             print(
                 f"\ntinytrain: {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
                 "(Ctrl-C again to stop at once)",
