@@ -164,7 +164,10 @@ def run(args) -> int:
         torch.set_num_threads(threads)
     except ImportError:
         torch = None
-        print("PyTorch is not importable: timing tinytrain alone (no ratio). `pip install torch` to compare.")
+        print(
+            "PyTorch is not importable: timing tinytrain alone (no ratio). "
+            '`pip install -e ".[bench]"` (or `pip install torch`) to compare.'
+        )
     try:
         from threadpoolctl import threadpool_limits
 

@@ -22,7 +22,8 @@ algorithm, over a module of algorithms), ``algorithms.py`` (ring, pairwise and t
 their diagrams: assignment 1 is made from it; ``all_reduce`` and the others exported here are bound
 at its end), ``trace_merge.py`` (``tinytrain.trace.merge`` over our all-gather).
 
-Environment: ``TINYTRAIN_TIMEOUT`` (seconds per wait, default 60), ``TINYTRAIN_DEBUG=1``
+Environment: ``TINYTRAIN_TIMEOUT`` (seconds per wait, default 20; ``TINYTRAIN_BUSY_TIMEOUT`` while the
+awaited ranks compute, see ``watchdog.py``), ``TINYTRAIN_DEBUG=1``
 (cross-check collective signatures), ``TINYTRAIN_TRACE=1`` (record spans, see tinytrain.trace),
 ``TINYTRAIN_CUDA_AWARE_MPI=0|1`` (override detection), ``TINYTRAIN_SPIN`` (polls before a waiting
 rank yields its core), ``TINYTRAIN_GPU=<index>`` (the GPU every rank of this process uses; by default
