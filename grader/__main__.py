@@ -6,6 +6,7 @@
     python -m grader --out results/          # where results.json and junit.xml go (default: out/grader)
     python -m grader stubs [--check]         # regenerate assignments/ from the reference markers
     python -m grader release OUT             # a solution-free copy of the repository for students
+    python -m grader mutants [--ci]          # the mutation suite: planted bugs, catch rate per assignment
 
 Grading exits 0 whenever it ran (a low score is not an error); 2 for a usage error.
 """
@@ -13,6 +14,7 @@ Grading exits 0 whenever it ran (a low score is not an error); 2 for a usage err
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -58,11 +60,14 @@ def _parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds any single communication may wait (TINYTRAIN_TIMEOUT, default 10)",
     )
-    sub = p.add_subparsers(dest="command", metavar="{stubs,release}")
+    sub = p.add_subparsers(dest="command", metavar="{stubs,release,mutants}")
     s = sub.add_parser("stubs", help="regenerate assignments/ from the solution markers in the reference")
     s.add_argument("--check", action="store_true", help="only check: exit 1 with a diff when assignments/ is stale")
     r = sub.add_parser("release", help="write a solution-free copy of the repository for students")
     r.add_argument("out", metavar="OUT", help="folder to create (must not exist)")
+    m = sub.add_parser("mutants", help="plant realistic bugs in the reference solutions; every one must be caught")
+    m.add_argument("--ci", action="store_true", help="only the representative subset CI runs")
+    m.add_argument("--only", nargs="+", metavar="PATTERN", help="only mutants of these tasks (1.* or 2.3)")
     return p
 
 
@@ -152,7 +157,21 @@ def main(argv=None) -> int:
         from .release import main as release_main
 
         return release_main(args.out)
+    if args.command == "mutants":
+        return _mutants(args)
     return grade(args)
+
+
+def _mutants(args) -> int:
+    path = ROOT / "tests" / "grader" / "mutants.py"
+    if not path.exists():
+        print("error: the mutation suite needs the reference solutions; a student copy has none", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location("tinytrain_mutants", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module.main(ci=args.ci, tasks=args.only)
 
 
 if __name__ == "__main__":

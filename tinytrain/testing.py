@@ -118,3 +118,45 @@ def assert_close(actual, expected, atol=1e-5, rtol=1e-4, what="values") -> None:
         f"got {a[worst]:.8g}, expected {e[worst]:.8g} (difference {diff[worst]:.3g}, allowed "
         f"{allowed[worst]:.3g} = atol {atol} + rtol {rtol} * |expected|)"
     )
+
+
+def clean_factor(actual, expected, n: int) -> str:
+    """How ``actual`` relates to ``expected`` when it is a clean multiple for a group of ``n`` ranks.
+
+    Returns e.g. ``"x4 (each rank's part summed, not averaged: use op='avg' or divide by N)"`` when
+    ``actual`` is ``expected`` times N, 1/N, N/(N-1) or (N-1)/N (the usual averaging mistakes of
+    data parallelism), else "". The factor is fitted by least squares and must explain every element.
+    """
+    a = _host(actual).astype(numpy.float64).reshape(-1)
+    e = _host(expected).astype(numpy.float64).reshape(-1)
+    energy = float((e * e).sum())
+    if a.shape != e.shape or n < 2 or energy == 0 or not numpy.isfinite(a).all():
+        return ""
+    ratio = float((a * e).sum()) / energy
+    if not numpy.allclose(a, ratio * e, rtol=1e-3, atol=1e-6 * float(numpy.abs(e).max())):
+        return ""
+    causes = [
+        (n, f"x{n}", "each rank's part summed, not averaged: use op='avg' or divide the sum by N"),
+        (1 / n, f"x1/{n}", "divided by N once too often (an average of averages, or op='avg' and then / N)"),
+        (n / (n - 1), f"x{n}/{n - 1}", "divided by N-1 instead of N (the ranks were counted without one of them)"),
+        ((n - 1) / n, f"x{n - 1}/{n}", "one rank's part is missing (often the rank's own, or the server's)"),
+    ]
+    for factor, name, cause in causes:
+        if abs(ratio - factor) <= 1e-3 * factor:
+            return f"{name} ({cause})"
+    return ""
+
+
+def assert_matches_serial(actual, expected, n: int, what: str, atol=1e-6, rtol=1e-5) -> None:
+    """Assert ``actual`` (a parallel run's value) matches ``expected`` (the serial run's) within
+    ``atol + rtol * |expected|``; otherwise say by how much, and the factor when it is a clean one."""
+    a = _host(actual).astype(numpy.float64)
+    e = _host(expected).astype(numpy.float64)
+    if a.shape == e.shape and numpy.allclose(a, e, rtol=rtol, atol=atol):
+        return
+    if a.shape != e.shape:
+        raise AssertionError(f"{what}: shape {a.shape} differs from the serial run's {e.shape}")
+    factor = clean_factor(a, e, n)
+    err = float(numpy.nanmax(numpy.abs(a - e)))
+    hint = f": it is the serial value {factor}" if factor else ""
+    raise AssertionError(f"{what} is off from the serial run by {err:.3g}{hint}")

@@ -16,6 +16,7 @@ import contextlib
 import numpy as np
 import pytest
 
+from grader.mpi_reference import mpi
 from grader.seeds import grading_seed
 from tinytrain import distributed as dist
 from tinytrain import functional as F
@@ -24,6 +25,7 @@ from tinytrain.backend import to_host, xp
 from tinytrain.data import shard_rows
 from tinytrain.nn import GPT, GPTConfig
 from tinytrain.optim import SGD
+from tinytrain.testing import assert_matches_serial
 
 VOCAB, T, ROWS, STEPS = 16, 8, 16, 2
 
@@ -67,7 +69,17 @@ def serial(case, freeze=()):
     return {n: to_host(p.data) for n, p in model.named_parameters()}
 
 
-def train(case, model, wrapper, step, accum=1):
+def serial_gradients(case, freeze=()):
+    """The serial run's gradients of the first step (a synchronized gradient must equal them)."""
+    model = case.model(freeze)
+    loss_on(model, *case.batch(0)).backward()
+    return {n: to_host(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+
+
+def train(case, model, wrapper, step, accum=1, grads=None, same_as=None):
+    """``STEPS`` steps on this rank's rows; with ``grads`` (the serial first-step gradients) each
+    synchronized gradient is checked after the first step (the optimizer leaves ``.grad`` alone);
+    with ``same_as`` (a rank) every rank's parameters must equal that rank's after every step."""
     rank, n = dist.get_rank(), dist.get_world_size()
     opt_zero = [p for p in model.parameters()]
     for t in range(STEPS):
@@ -79,15 +91,34 @@ def train(case, model, wrapper, step, accum=1):
             with quiet:
                 wrapper.backward(loss_on(wrapper, xi, yi, 1.0 / accum))
         step()
+        if t == 0 and grads is not None:
+            check_gradients(case, model, grads, type(wrapper).__name__)
+        if same_as is not None:
+            check_same_as(case, model, same_as, t)
+
+
+def check_same_as(case, model, owner, t):
+    """Parameters equal to rank ``owner``'s, compared with MPI's broadcast (not counted as traffic)."""
+    for name, p in model.named_parameters():
+        theirs = np.ascontiguousarray(to_host(p.data)).copy()
+        mpi(dist.world(), "Bcast", theirs, root=owner)
+        assert np.array_equal(theirs, to_host(p.data)), case.what(
+            f"after step {t + 1}, parameter {name} differs from rank {owner}'s: every rank must end each step "
+            "with the same parameters (a worker copies the parameters it pulls into its model)"
+        )
+
+
+def check_gradients(case, model, want, text):
+    for name, p in model.named_parameters():
+        if name in want:
+            got = xp.zeros_like(p.data) if p.grad is None else p.grad
+            assert_matches_serial(got, want[name], 4, case.what(f"{text}: the synchronized gradient of {name}"))
 
 
 def check_params(case, model, want, text):
     for name, p in model.named_parameters():
         got = to_host(p.data)
-        err = float(np.abs(got - want[name]).max())
-        assert np.allclose(got, want[name], rtol=1e-5, atol=1e-6), case.what(
-            f"{text}: parameter {name} is off from the serial run by {err:.3g}"
-        )
+        assert_matches_serial(got, want[name], 4, case.what(f"{text}: parameter {name}"))
         first = np.ascontiguousarray(got).copy()
         dist.broadcast(first, src=0)
         assert np.array_equal(first, got), case.what(f"{text}: {name} differs between rank 0 and this rank")
@@ -113,7 +144,7 @@ def test_naive_ddp_matches_serial_and_sends_one_ring_per_gradient(impl):
     ddp = impl.data_parallel.NaiveDDP(model)
     opt = sgd(model)
     with dist.comm_stats() as stats:
-        train(case, model, ddp, opt.step)
+        train(case, model, ddp, opt.step, grads=serial_gradients(case))
     check_params(case, model, want, "NaiveDDP")
     expected = STEPS * sum(ring_bytes(p.size, 4, dist.get_rank()) for p in model.parameters())
     assert stats.sent("all_reduce") == expected, case.what(
@@ -159,7 +190,7 @@ def test_bucketed_ddp_matches_serial_with_frozen_and_tied_weights(impl):
     ddp = impl.data_parallel.BucketedDDP(model, bucket_mb=0.01, poll=True)
     opt = sgd(model)
     with dist.comm_stats() as stats:
-        train(case, model, ddp, opt.step)
+        train(case, model, ddp, opt.step, grads=serial_gradients(case, frozen))
     check_params(case, model, want, "BucketedDDP")
     expected = STEPS * sum(ring_bytes(b.buffer.size, 4, dist.get_rank()) for b in ddp.buckets)
     assert stats.sent("all_reduce") == expected, case.what(
@@ -303,8 +334,9 @@ def test_parameter_server_matches_serial_and_everything_goes_through_the_server(
     model = case.model()
     opt = sgd(model)
     ps = impl.data_parallel.ParameterServer(model, opt)
+    grads = serial_gradients(case) if ps.rank == ps.server else None  # workers keep their own
     with dist.comm_stats() as stats:
-        train(case, model, ps, ps.step)
+        train(case, model, ps, ps.step, grads=grads, same_as=ps.server)
     check_params(case, model, want, "ParameterServer")
     psi_bytes = 4 * sum(p.size for p in model.parameters())
     moved = stats.sent() + stats.recv() - stats.sent("debug_check") - stats.recv("debug_check")

@@ -20,8 +20,10 @@ from tinytrain import distributed as dist
 from tinytrain import functional as F
 from tinytrain.backend import to_host, xp
 from tinytrain.data import shard_rows
+from tinytrain.distributed import work
 from tinytrain.nn import GPT, GPTConfig
 from tinytrain.optim import SGD, AdamW
+from tinytrain.testing import assert_matches_serial
 
 VOCAB, T, ROWS, STEPS = 16, 8, 12, 2
 TOL = {"sgd": {"rtol": 1e-5, "atol": 1e-6}, "adamw": {"rtol": 1e-4, "atol": 2e-4}}
@@ -58,32 +60,89 @@ def serial(case):
     return {n: to_host(p.data) for n, p in model.named_parameters()}
 
 
-def run(impl, case, stage):
-    """Train STEPS steps with ZeRO; returns (zero, memory just before the last step, bytes sent per op)."""
+def serial_gradients(case):
+    """The serial run's gradients of the first step."""
+    model = case.model()
+    F.cross_entropy(model(xp.asarray(case.batch(0)[0])), xp.asarray(case.batch(0)[1])).backward()
+    return {n: to_host(p.grad) for n, p in model.named_parameters()}
+
+
+class Backward:
+    """What happens inside ZeRO's backward, seen from hooks the test adds after ZeRO's own: the
+    bytes of full gradients held at once (the whole backward's peak, not one sample after it), and
+    reduce-scatters waited for before ``finish_gradient_sync`` (no overlap with backward)."""
+
+    def __init__(self, zero, model, monkeypatch):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.peak_grad_bytes, self.early_waits, self.running = 0, 0, False
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._after_zeros_hook)
+        finish, wait = zero.finish_gradient_sync, work.Work.wait
+
+        def finishing(*args, **kwargs):
+            self.running = False
+            return finish(*args, **kwargs)
+
+        def waiting(w, *args, **kwargs):
+            if self.running and w._call.op == "reduce_scatter":
+                self.early_waits += 1
+            return wait(w, *args, **kwargs)
+
+        monkeypatch.setattr(zero, "finish_gradient_sync", finishing)
+        monkeypatch.setattr(work.Work, "wait", waiting)
+
+    def _after_zeros_hook(self, p) -> None:
+        self.running = True
+        held = sum(q.grad.nbytes for q in self.params if q.grad is not None)
+        self.peak_grad_bytes = max(self.peak_grad_bytes, held)
+
+
+def run(impl, case, stage, monkeypatch=None):
+    """Train STEPS steps with ZeRO; returns (zero, memory just before the last step, bytes sent
+    per op, what its backward did). Checks each rank's gradient pieces after the first backward."""
     rank, n = dist.get_rank(), dist.get_world_size()
     model = case.model()
     opt = case.optimizer(model)
     zero = impl.zero.Zero(model, opt, stage=stage)
+    backward = Backward(zero, model, monkeypatch) if monkeypatch is not None else None
+    names = {id(p): name for name, p in model.named_parameters()}
     sent = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
     for t in range(STEPS):
         opt.zero_grad()
         x, y = (shard_rows(a, rank, n) for a in case.batch(t))
         with dist.comm_stats() as stats:
             zero.backward(F.cross_entropy(zero(xp.asarray(x)), xp.asarray(y)))
+            if t == 0:
+                check_gradient_pieces(case, zero, stage, names)
             memory = zero.memory()
             zero.step()
         for op in sent:
             sent[op] += stats.sent(op)
-    return zero, memory, sent
+    return zero, memory, sent, backward
+
+
+def check_gradient_pieces(case, zero, stage, names):
+    want = serial_gradients(case)
+    for s in zero.shards:
+        name = names[id(s.p)]
+        got = xp.zeros(s.stop - s.start, dtype=np.float32) if s.grad is None else s.grad
+        assert_matches_serial(
+            got,
+            want[name].reshape(-1)[s.start : s.stop],
+            dist.get_world_size(),
+            case.what(f"ZeRO-{stage}: this rank's piece [{s.start}:{s.stop}] of the averaged gradient of {name}"),
+        )
 
 
 def check_params(case, zero, stage):
     want = serial(case)
     for name, got in zero.full_parameters().items():
-        got = to_host(got)
-        err = float(np.abs(got - want[name]).max())
-        assert np.allclose(got, want[name], **TOL[case.opt_kind]), case.what(
-            f"ZeRO-{stage} ({case.opt_kind}): {name} is off from the serial run by {err:.3g}"
+        assert_matches_serial(
+            got,
+            want[name],
+            dist.get_world_size(),
+            case.what(f"ZeRO-{stage} ({case.opt_kind}): {name}"),
+            **TOL[case.opt_kind],
         )
 
 
@@ -125,7 +184,7 @@ def check_volume(case, zero, sent, stage):
 @pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
 def test_zero1(impl, opt_kind):
     case = Case(opt_kind)
-    zero, memory, sent = run(impl, case, 1)
+    zero, memory, sent, _ = run(impl, case, 1)
     check_params(case, zero, 1)
     check_memory(case, zero, memory, 1)
     check_volume(case, zero, sent, 1)
@@ -134,9 +193,19 @@ def test_zero1(impl, opt_kind):
 @pytest.mark.task("3.2")
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
-def test_zero2(impl, opt_kind):
+def test_zero2(impl, opt_kind, monkeypatch):
     case = Case(opt_kind)
-    zero, memory, sent = run(impl, case, 2)
+    zero, memory, sent, backward = run(impl, case, 2, monkeypatch)
+    largest = max(4 * s.p.size for s in zero.shards)
+    assert backward.peak_grad_bytes <= largest, case.what(
+        f"ZeRO-2 held {backward.peak_grad_bytes} bytes of full gradients at once during backward (the largest "
+        f"parameter is {largest} bytes): drop each full gradient (p.grad = None) as soon as its reduce-scatter "
+        "is launched"
+    )
+    assert backward.early_waits == 0, case.what(
+        f"ZeRO-2 waited for a reduce-scatter {backward.early_waits} times during backward: launch each one "
+        "async in the hook and wait in finish_gradient_sync, so communication overlaps the rest of backward"
+    )
     check_params(case, zero, 2)
     check_memory(case, zero, memory, 2)
     check_volume(case, zero, sent, 2)
@@ -148,7 +217,7 @@ def test_zero2(impl, opt_kind):
 @pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
 def test_zero3(impl, opt_kind):
     case = Case(opt_kind)
-    zero, memory, sent = run(impl, case, 3)
+    zero, memory, sent, _ = run(impl, case, 3)
     check_params(case, zero, 3)
     check_memory(case, zero, memory, 3)
     check_volume(case, zero, sent, 3)
@@ -161,6 +230,6 @@ def test_zero3(impl, opt_kind):
 @pytest.mark.parametrize("stage", [pytest.param(k, marks=pytest.mark.task(f"3.{k}")) for k in (1, 2, 3)])
 def test_uneven_pieces_on_3_ranks(impl, stage):
     case = Case("sgd")
-    zero, memory, _ = run(impl, case, stage)
+    zero, memory, _, _ = run(impl, case, stage)
     check_params(case, zero, stage)
     check_memory(case, zero, memory, stage)

@@ -1,0 +1,807 @@
+"""The mutation suite: realistic bugs planted one at a time into the reference solutions.
+
+Each mutant is a bug a student could write, planted into the solved assignment (the reference's
+solution regions): the four bugs the grader's tests always planted, the ones issue 14 found
+passing, and at least two more per task, written from the handouts and the reference code (not
+from the graded tests). Every mutant must make the grader fail *its* task, with a message that
+names the cause (``cause``: words the task's output must contain) and a seed that replays it.
+
+    python -m grader mutants            # every mutant; prints the catch rate per assignment
+    python -m grader mutants --ci       # the representative subset that CI runs
+
+To keep it quick, mutants of different tasks share one grader run (a "round": one mutant per task);
+a mutant whose task then fails for another reason (a bug in a task it builds on) is graded again
+on its own before it counts as missed. This file contains solution code: a student release leaves
+it out (``tests/grader/`` is excluded in the rubric).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from grader.config import ROOT, load_rubric
+from grader.run import mpi_environment
+from grader.stubs import assignment_texts
+
+A1 = "tinytrain/distributed/algorithms.py"
+A2 = "tinytrain/parallel/data_parallel.py"
+A3 = "tinytrain/parallel/zero.py"
+A4 = "tinytrain/parallel/tensor_parallel/"
+A5 = "tinytrain/parallel/pipeline/"
+A6 = "tinytrain/parallel/expert_parallel/"
+A7 = "tinytrain/parallel/context_parallel/"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    task: str  # the task that must fail
+    file: str  # the reference file the bug is planted in
+    edits: tuple[tuple[str, str], ...]  # (text of the solution, what replaces it); each occurs once
+    cause: str  # words (a regular expression, case-insensitive) the task's failure must contain
+    ci: bool = False  # in the subset CI runs
+
+
+def M(name, task, file, old, new, cause, ci=False, more=()):
+    return Mutant(name, task, file, ((old, new), *more), cause, ci)
+
+
+# --- assignment 1: collectives ------------------------------------------------------------------------
+
+_RS_LOOP = """    for s in range(n - 1):
+        send_i, recv_i = (r - s + shift) % n, (r - s - 1 + shift) % n
+        (sa, sb), (ra, rb) = bounds[send_i], bounds[recv_i]
+        incoming = tmp[: rb - ra]
+        yield c.exchange(
+            f"ring reduce-scatter step {s + 1}/{n - 1} (chunk {send_i} to rank {right}, "
+            f"chunk {recv_i} from rank {left})",
+            sends=[(flat[sa:sb], right)],
+            recvs=[(incoming, left)],
+        )
+        combine(flat[ra:rb], incoming, op)
+"""
+_RS_DIRECT = """    ma, mb = bounds[(r + 1 + shift) % n]
+    for s in range(1, n):  # straight to each chunk's owner: right values and bytes, but no ring
+        dst, src = (r + s) % n, (r - s) % n
+        sa, sb = bounds[(dst + 1 + shift) % n]
+        incoming = tmp[: mb - ma]
+        yield c.exchange(f"direct step {s}", sends=[(flat[sa:sb], dst)], recvs=[(incoming, src)])
+        combine(flat[ma:mb], incoming, op)
+"""
+_A2A_LOOP = """    for s in range(1, n):
+        dst, src = (r + s) % n, (r - s) % n
+        (sa, sb), (ra, rb) = send_bounds[dst], recv_bounds[src]
+        yield c.exchange(
+            f"pairwise step {s}/{n - 1} (to rank {dst}, from rank {src})",
+            sends=[(flat[sa:sb], dst)],
+            recvs=[(out[ra:rb], src)],
+        )
+"""
+_A2A_AT_ONCE = """    sends, recvs = [], []
+    for s in range(1, n):
+        dst, src = (r + s) % n, (r - s) % n
+        (sa, sb), (ra, rb) = send_bounds[dst], recv_bounds[src]
+        sends.append((flat[sa:sb], dst))
+        recvs.append((out[ra:rb], src))
+    yield c.exchange("everything at once", sends=sends, recvs=recvs)
+"""
+_BCAST_SEND = "            sends=[(flat, absolute(k)) for k in reversed(kids)],\n        )\n"
+
+MUTANTS = [
+    # 1.1 ring reduce-scatter
+    M(
+        "off_by_one_chunk_in_reduce_scatter",
+        "1.1",
+        A1,
+        "send_i, recv_i = (r - s + shift) % n, (r - s - 1 + shift) % n",
+        "send_i, recv_i = (r - s + 1 + shift) % n, (r - s - 1 + shift) % n",
+        "of the reduce-scatter differs at index",
+        ci=True,
+    ),
+    M(
+        "reduction_forgets_one_rank",
+        "1.1",
+        A1,
+        "    for s in range(n - 1):\n        send_i, recv_i = (r - s + shift)",
+        "    for s in range(n - 2):\n        send_i, recv_i = (r - s + shift)",
+        "differs at index",
+    ),
+    M(
+        "send_send_deadlock_at_large_sizes",
+        "1.1",
+        A1,
+        "            sends=[(flat[sa:sb], right)],\n            recvs=[(incoming, left)],\n        )",
+        "            sends=[(flat[sa:sb], right)],\n        )\n"
+        "        yield c.exchange('receive', recvs=[(incoming, left)])",
+        "CommTimeout.*timed out|a ring takes n-1",
+    ),
+    M(
+        "overwrites_instead_of_adding",
+        "1.1",
+        A1,
+        "        combine(flat[ra:rb], incoming, op)\n",
+        "        flat[ra:rb] = incoming\n",
+        "differs at index",
+    ),
+    M(
+        "direct_exchange_with_owners",
+        "1.1",
+        A1,
+        _RS_LOOP,
+        _RS_DIRECT,
+        "in a ring every step sends one chunk to the right neighbour",
+        ci=True,
+    ),
+    # 1.2 ring all-gather
+    M(
+        "all_gather_one_step_short",
+        "1.2",
+        A1,
+        "    for s in range(n - 1):\n        send_i, recv_i = (r + 1 + shift - s) % n",
+        "    for s in range(n - 2):\n        send_i, recv_i = (r + 1 + shift - s) % n",
+        "of the all-gather differs at index",
+        ci=True,
+    ),
+    M(
+        "all_gather_receives_into_the_chunk_it_sends",
+        "1.2",
+        A1,
+        "send_i, recv_i = (r + 1 + shift - s) % n, (r + shift - s) % n",
+        "send_i, recv_i = (r + 1 + shift - s) % n, (r + 1 + shift - s) % n",
+        "of the all-gather differs at index",
+    ),
+    # 1.3 all-reduce
+    M(
+        "all_reduce_drops_the_remainder",
+        "1.3",
+        A1,
+        "bounds = chunk_bounds(split_counts(flat.size, c.size))",
+        "bounds = chunk_bounds([flat.size // c.size] * c.size)",
+        "all-reduce differs at index",
+        ci=True,
+    ),
+    M(
+        "all_reduce_gathers_with_another_layout",
+        "1.3",
+        A1,
+        "yield from _ring_all_gather(c, flat, bounds, shift=0)",
+        "yield from _ring_all_gather(c, flat, bounds, shift=-1)",
+        "all-reduce differs at index",
+    ),
+    M(
+        "all_reduce_wrong_on_one_rank_only",
+        "1.3",
+        A1,
+        "    yield from _ring_all_gather(c, flat, bounds, shift=0)\n",
+        "    yield from _ring_all_gather(c, flat, bounds, shift=0)\n"
+        "    if c.rank == 1 and flat.size:\n        flat[0] += 1\n",
+        "rank \\d: chunk 0 of the all-reduce differs at index 0",
+    ),
+    # 1.4 all-to-all
+    M(
+        "all_to_all_swaps_two_blocks",
+        "1.4",
+        A1,
+        "(sa, sb), (ra, rb) = send_bounds[dst], recv_bounds[src]",
+        "(sa, sb), (ra, rb) = send_bounds[src], recv_bounds[src]",
+        "the block received from group rank",
+        ci=True,
+    ),
+    M(
+        "all_to_all_in_one_step",
+        "1.4",
+        A1,
+        _A2A_LOOP,
+        _A2A_AT_ONCE,
+        "a pairwise exchange takes n-1 = \\d steps",
+        ci=True,
+    ),
+    M(
+        "all_to_all_forgets_its_own_block",
+        "1.4",
+        A1,
+        "    out[ra:rb] = flat[sa:sb]  # my piece for myself never leaves\n",
+        "",
+        "the block received from group rank",
+    ),
+    # 1.5 broadcast
+    M(
+        "tree_of_log2_rounds_misses_ranks_when_n_is_not_a_power_of_two",
+        "1.5",
+        A1,
+        "    kids = tree_children(v, n)\n",
+        "    kids = [v + (1 << k) for k in range(int(__import__('math').log2(n)))"
+        " if v < (1 << k) and v + (1 << k) < n]\n",
+        "timed out|group of world ranks \\[\\d, \\d, \\d\\]",
+        ci=True,
+    ),
+    M(
+        "root_sends_to_everyone",
+        "1.5",
+        A1,
+        "        parent = v - (v & -v)  # clear the lowest set bit\n",
+        "        parent = 0\n",
+        "binomial-tree broadcast sends ceil\\(log2 n\\)",
+        more=(("    kids = tree_children(v, n)\n", "    kids = list(range(1, n)) if v == 0 else []\n"),),
+    ),
+    M(
+        "broadcast_wrong_on_one_rank_only",
+        "1.5",
+        A1,
+        _BCAST_SEND,
+        _BCAST_SEND + "    if v == 1 and flat.size:\n        flat[-1] += 1\n",
+        "broadcast copy differs at index",
+    ),
+]
+
+# --- assignment 2: data parallel ----------------------------------------------------------------------
+
+_AR = 'dist.all_reduce(grad_or_zeros(p), op="avg", group=self.group, algo=self.algo)'
+MUTANTS += [
+    M("ddp_sums_instead_of_averaging", "2.1", A2, _AR, _AR.replace('"avg"', '"sum"'), "x4 .*summed", ci=True),
+    M(
+        "ddp_divides_by_n_minus_1",
+        "2.1",
+        A2,
+        _AR,
+        _AR.replace('"avg"', '"sum"') + "\n            p.grad /= dist.get_world_size(self.group) - 1",
+        "x4/3",
+    ),
+    M(
+        "ddp_skips_missing_gradients",
+        "2.1",
+        A2,
+        "        for p in self.params:\n            dist.all_reduce",
+        "        for p in [q for q in self.params if q.grad is not None]:\n            dist.all_reduce",
+        "no gradient on rank 3|all_reduce",
+    ),
+    M(
+        "bucketed_ignores_poll",
+        "2.2",
+        A2,
+        "        if self.poll:\n            dist.progress_all()\n",
+        "",
+        "progress_all",
+        ci=True,
+    ),
+    M(
+        "bucketed_no_duplicate_ready_check",
+        "2.2",
+        A2,
+        "        if id(p) in bucket.ready:\n            raise RuntimeError(",
+        "        if False:\n            raise RuntimeError(",
+        "must raise",
+    ),
+    M(
+        "bucketed_launches_only_at_the_end",
+        "2.2",
+        A2,
+        "        bucket.ready.add(id(p))\n        self._launch_full_buckets()\n",
+        "        bucket.ready.add(id(p))\n",
+        "launched during backward",
+    ),
+    M(
+        "no_sync_resets_to_true",
+        "2.3",
+        A2,
+        "            self.require_sync = previous",
+        "            self.require_sync = True",
+        "nested",
+        ci=True,
+    ),
+    M(
+        "no_sync_without_finally",
+        "2.3",
+        A2,
+        "        try:\n            yield\n        finally:\n            self.require_sync = previous",
+        "        yield\n        self.require_sync = previous",
+        "exception",
+    ),
+    M(
+        "server_forgets_its_own_gradient",
+        "2.4",
+        A2,
+        "        for w in self.workers:  # rank order",
+        "        grads[...] = 0\n        for w in self.workers:  # rank order",
+        "server.*off from the serial run",
+    ),
+    M(
+        "worker_ignores_the_pulled_parameters",
+        "2.4",
+        A2,
+        "            unflatten_into(flat, [p.data for p in self.params])",
+        "            pass",
+        "\\[rank [123]\\] after step 1, parameter .* differs from rank 0's",
+    ),
+]
+
+# --- assignment 3: ZeRO -------------------------------------------------------------------------------
+
+MUTANTS += [
+    M(
+        "zero_reduce_scatter_sums",
+        "3.1",
+        A3,
+        'return dist.reduce_scatter(flat, op="avg"',
+        'return dist.reduce_scatter(flat, op="sum"',
+        "x4",
+        ci=True,
+    ),
+    M(
+        "zero_forgets_the_all_gather",
+        "3.1",
+        A3,
+        "            dist.all_gather(s.my_piece(s.p.data), group=self.group, sizes=s.sizes, out=s.p.data.reshape(-1))",
+        "            pass",
+        "off from the serial run",
+    ),
+    M(
+        "zero_recreates_optimizer_state_every_step",
+        "3.1",
+        A3,
+        "            if s.state is None:\n                s.state = self.optimizer.init_state(piece)",
+        "            s.state = self.optimizer.init_state(piece)",
+        "off from the serial run",
+    ),
+    M(
+        "zero2_keeps_the_full_gradient",
+        "3.2",
+        A3,
+        "        p.grad = None  # the collective copied it: the full gradient is not kept\n",
+        "",
+        "gradient",
+    ),
+    M(
+        "zero2_waits_for_each_reduce_scatter",
+        "3.2",
+        A3,
+        "        self.pending.append((s, self._reduce_scatter(s, async_op=True)))",
+        "        self.pending.append((s, self._reduce_scatter(s, async_op=True)))\n        self.pending[-1][1].wait()",
+        "overlap|async|during backward",
+    ),
+    M(
+        "zero3_never_uncounts_gathered_bytes",
+        "3.3",
+        A3,
+        "                self.gathered_bytes -= s.p.data.nbytes\n",
+        "",
+        "gathered",
+    ),
+    M(
+        "zero3_keeps_gathered_parameters",
+        "3.3",
+        A3,
+        "                s.p.data = _EMPTY",
+        "                pass",
+        "gathered|memory|peak",
+    ),
+]
+
+# --- assignment 4: tensor and sequence parallel --------------------------------------------------------
+
+_TP = A4 + "mappings.py"
+_TPL = A4 + "layers.py"
+MUTANTS += [
+    M(
+        "copy_to_region_backward_does_not_sum",
+        "4.1",
+        _TP,
+        "        return all_reduce_copy(grad, ctx.group), None\n",
+        "        return grad, None\n",
+        "copy|CopyToRegion|gradient",
+        ci=True,
+    ),
+    M(
+        "gather_from_region_backward_keeps_everything",
+        "4.1",
+        _TP,
+        "        return my_piece(grad, -1, ctx.group), None\n",
+        "        return grad, None\n",
+        "shape|GatherFromRegion",
+    ),
+    M(
+        "row_parallel_adds_the_bias_on_every_rank",
+        "4.2",
+        _TPL,
+        "        y = self.leave(F.linear(x, self.weight))\n        return y if self.bias is None else y + self.bias",
+        "        return self.leave(F.linear(x, self.weight, self.bias))",
+        "RowParallel|bias|output",
+    ),
+    M(
+        "column_parallel_skips_enter",
+        "4.2",
+        _TPL,
+        "y = F.linear(self.enter(x), self.weight, self.bias)",
+        "y = F.linear(x, self.weight, self.bias)",
+        "ColumnParallel|input gradient|x.grad",
+    ),
+    M(
+        "parallel_mlp_forgets_dropout",
+        "4.3",
+        _TPL,
+        "        return self.dropout(self.fc_2(F.gelu(self.fc_1(x))), self.p, self.training)",
+        "        return self.fc_2(F.gelu(self.fc_1(x)))",
+        "MLP|dropout",
+    ),
+    M(
+        "attention_enters_once_per_projection",
+        "4.3",
+        _TPL,
+        "            y = F.linear(x, linear.weight, linear.bias)",
+        "            y = linear(x)",
+        "all-reduce|bytes|attention",
+    ),
+    M(
+        "vocab_embedding_does_not_mask",
+        "4.4",
+        _TPL,
+        "        local = local * Tensor(mine[..., None].astype(local.dtype))\n",
+        "",
+        "embedding",
+    ),
+    M(
+        "cross_entropy_without_the_global_max",
+        "4.4",
+        A4 + "cross_entropy.py",
+        '        dist.all_reduce(row_max, op="max", group=group, algo="ring")\n',
+        "",
+        "large logits|nan|inf|cross",
+    ),
+    M(
+        "sequence_parallel_dropout_not_sharded",
+        "4.5",
+        _TPL,
+        "seq_shard = (dist.get_rank(self.group), dist.get_world_size(self.group)) if self.sequence_parallel else None",
+        "seq_shard = None",
+        "dropout|sequence",
+    ),
+    M(
+        "sequence_gather_backward_does_not_sum",
+        "4.5",
+        _TP,
+        "        return reduce_scatter_along(grad, 1, ctx.group), None\n",
+        "        return my_piece(grad, 1, ctx.group), None\n",
+        "sequence|gradient|Gather",
+    ),
+]
+
+# --- assignment 5: pipeline ---------------------------------------------------------------------------
+
+_PM = A5 + "messages.py"
+_PS = A5 + "schedules.py"
+MUTANTS += [
+    M(
+        "received_activation_without_grad",
+        "5.1",
+        _PM,
+        "    return Tensor(buffer, requires_grad=True)",
+        "    return Tensor(buffer)",
+        "grad",
+        ci=True,
+    ),
+    M(
+        "received_buffer_reused_across_microbatches",
+        "5.1",
+        _PM,
+        "    buffer = xp.empty(shape, dtype=dtype)\n",
+        "    buffer = globals().setdefault('_reused', {})"
+        ".setdefault((tuple(shape), str(dtype)), xp.empty(shape, dtype=dtype))\n",
+        "micro-batch|buffer|off|differ",
+    ),
+    M(
+        "gpipe_runs_one_microbatch_at_a_time",
+        "5.2",
+        _PS,
+        '[Action("F", i) for i in range(microbatches)] + [Action("B", i) for i in range(microbatches)]',
+        '[a for i in range(microbatches) for a in (Action("F", i), Action("B", i))]',
+        "GPipe|schedule",
+    ),
+    M(
+        "gpipe_forgets_the_last_backward",
+        "5.2",
+        _PS,
+        '[Action("B", i) for i in range(microbatches)]',
+        '[Action("B", i) for i in range(microbatches - 1)]',
+        "GPipe|schedule|backward",
+    ),
+    M(
+        "one_f_one_b_warmup_off_by_one",
+        "5.3",
+        _PS,
+        "        warmup = min(stages - 1 - s, microbatches)",
+        "        warmup = min(stages - s, microbatches)",
+        "1F1B|warm",
+    ),
+    M(
+        "one_f_one_b_backward_before_forward",
+        "5.3",
+        _PS,
+        '            actions += [Action("F", warmup + i), Action("B", i)]',
+        '            actions += [Action("B", i), Action("F", warmup + i)]',
+        "1F1B|schedule|before",
+    ),
+    M(
+        "interleaved_warmup_too_short",
+        "5.4",
+        _PS,
+        "(stages - 1 - s) * 2 + (chunks - 1) * stages",
+        "(stages - 1 - s) + (chunks - 1) * stages",
+        "interleaved|warm|peak",
+    ),
+    M(
+        "interleaved_backward_keeps_the_chunk_order",
+        "5.4",
+        _PS,
+        'chunk if kind == "F" else chunks - 1 - chunk',
+        "chunk",
+        "interleaved|chunk",
+    ),
+]
+
+# --- assignment 6: expert parallel --------------------------------------------------------------------
+
+_ER = A6 + "routing.py"
+_ED = A6 + "dispatch.py"
+MUTANTS += [
+    M(
+        "aux_loss_from_local_counts",
+        "6.1",
+        _ER,
+        "    n_total = int(gathered[:, 0, E].sum())\n    aux = moe.router_loss(",
+        "    n_total = int(tokens.shape[0])\n    aux = moe.router_loss(",
+        "aux|load",
+        ci=True,
+    ),
+    M(
+        "aux_loss_unscaled",
+        "6.1",
+        _ER,
+        "scale=float(gathered.shape[0])",
+        "scale=1.0",
+        "aux|load|router",
+    ),
+    M("capacity_admits_one_too_many", "6.2", _ER, "< capacity", "<= capacity", "drop|capacity|kept"),
+    M(
+        "capacity_ignores_lower_ranks",
+        "6.2",
+        _ER,
+        " + counts[:me].sum(axis=0)",
+        "",
+        "drop|capacity|kept",
+    ),
+    M(
+        "all_to_all_backward_sizes_not_swapped",
+        "6.3",
+        _ED,
+        "dist.all_to_all(xp.ascontiguousarray(grad), recv_sizes, send_sizes, group=ctx.group)",
+        "dist.all_to_all(xp.ascontiguousarray(grad), send_sizes, recv_sizes, group=ctx.group)",
+        "size|gradient|all_to_all",
+    ),
+    M(
+        "dispatch_without_regrouping_by_expert",
+        "6.3",
+        _ED,
+        "    out = moe.run_experts(got[xp.asarray(perm)], arriving.sum(axis=0), owned(r, moe.n_experts, P))\n"
+        "    back = out[xp.asarray(inverse(perm))]",
+        "    out = moe.run_experts(got, arriving.sum(axis=0), owned(r, moe.n_experts, P))\n    back = out",
+        "output|expert|differ",
+    ),
+    M(
+        "expert_gradients_not_divided_by_ep",
+        "6.4",
+        A6 + "model.py",
+        "unflatten(flat, experts, scale=1.0 / self.size)",
+        "unflatten(flat, experts)",
+        "expert|gradient",
+    ),
+    M(
+        "dense_gradients_not_averaged_over_dp",
+        "6.4",
+        A6 + "model.py",
+        "            if self.dp_group is not None:\n"
+        '                dist.all_reduce(flat, op="avg", group=self.dp_group)\n'
+        "            unflatten(flat, dense_params)",
+        "            unflatten(flat, dense_params)",
+        "dense|gradient",
+    ),
+]
+
+# --- assignment 7: context parallel -------------------------------------------------------------------
+
+_CM = A7 + "merge.py"
+_CR = A7 + "ring.py"
+MUTANTS += [
+    M(
+        "lse_without_the_max",
+        "7.1",
+        _CM,
+        "    lse = (m + xp.log(total))[..., 0]",
+        "    lse = xp.log(total)[..., 0]",
+        "lse|log-sum-exp",
+        ci=True,
+    ),
+    M(
+        "merge_averages_instead_of_weighting",
+        "7.1",
+        _CM,
+        "    out = xp.exp(lse_a - lse)[..., None] * out_a + xp.exp(lse_b - lse)[..., None] * out_b",
+        "    out = 0.5 * (out_a + out_b)",
+        "merge|out",
+    ),
+    M(
+        "ring_computes_before_sending",
+        "7.2",
+        _CR,
+        "            incoming, works = pass_on(kv, group, TAG_KV)  # posted first: it travels while I compute\n"
+        '        with compute_span(step, src, "forward"):',
+        '            pass\n        with compute_span(step, src, "forward"):',
+        "before|overlap|posted",
+        more=(
+            (
+                "        if step < n - 1:\n            wait_all(works)\n            kv = incoming\n    # every query",
+                "        if step < n - 1:\n            incoming, works = pass_on(kv, group, TAG_KV)\n"
+                "            wait_all(works)\n            kv = incoming\n    # every query",
+            ),
+        ),
+    ),
+    M(
+        "ring_labels_blocks_in_the_wrong_direction",
+        "7.2",
+        _CR,
+        "        src = (r - step) % n  # whose K/V I hold now\n",
+        "        src = (r + step) % n  # whose K/V I hold now\n",
+        "attention|output|differ",
+    ),
+    M("dkv_accumulator_dropped", "7.3", _CR, "            part += dkv\n", "", "dk|dv|gradient"),
+    M("block_gradients_without_delta", "7.3", _CM, "    ds -= delta[..., None]\n", "", "dq|gradient"),
+    M(
+        "contiguous_instead_of_zigzag",
+        "7.4",
+        A7 + "split.py",
+        "    return [rank, 2 * n - 1 - rank]",
+        "    return [2 * rank, 2 * rank + 1]",
+        "zigzag|chunk|balanced",
+    ),
+    M(
+        "zigzag_mirror_off_by_one",
+        "7.4",
+        A7 + "split.py",
+        "    return [rank, 2 * n - 1 - rank]",
+        "    return [rank, 2 * n - 2 - rank]",
+        "zigzag|chunk|position",
+    ),
+    M(
+        "ulysses_forgets_to_sort_positions",
+        "7.5",
+        A7 + "ulysses.py",
+        "    return got[..., order, :]",
+        "    return got",
+        "ulysses|position|output",
+    ),
+    M(
+        "ulysses_back_in_the_wrong_order",
+        "7.5",
+        A7 + "ulysses.py",
+        "y[..., gathered_positions(T, n, split), :]",
+        "y",
+        "ulysses|position|output",
+    ),
+]
+
+# --- planting and grading -----------------------------------------------------------------------------
+
+_RUBRIC = load_rubric()
+
+
+def assignment_of(m: Mutant):
+    return _RUBRIC.assignments[m.task.split(".")[0]]
+
+
+def plant(mutants: list[Mutant], folder: Path) -> Path:
+    """Write the solved assignments of ``mutants`` into ``folder``, each mutant's edits applied."""
+    for a in {assignment_of(m).id: assignment_of(m) for m in mutants}.values():
+        texts = assignment_texts(a, _RUBRIC, solved=True)
+        for m in (m for m in mutants if assignment_of(m).id == a.id):
+            file = dict(a.pairs)[m.file] if m.file.endswith(".py") else None
+            if file is None:
+                raise ValueError(f"mutant {m.name}: {m.file} is not a reference file of assignment {a.id}")
+            for old, new in m.edits:
+                if texts[file].count(old) != 1:
+                    raise ValueError(f"mutant {m.name}: {old!r} occurs {texts[file].count(old)} times in {m.file}")
+                texts[file] = texts[file].replace(old, new)
+        for file, text in texts.items():
+            path = (
+                folder / Path(a.file).name / Path(file).relative_to(a.file)
+                if len(a.files) > 1
+                else folder / Path(file).name
+            )
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    return folder
+
+
+def rounds(mutants: list[Mutant]) -> list[list[Mutant]]:
+    """Groups with at most one mutant per task, in order."""
+    out: list[list[Mutant]] = []
+    for m in mutants:
+        home = next((r for r in out if all(x.task != m.task for x in r)), None)
+        if home is None:
+            out.append(home := [])
+        home.append(m)
+    return out
+
+
+def grade(mutants: list[Mutant], tmp: Path, timeout: float = 900) -> dict:
+    """Grade the planted copy's mutated tasks; the results.json of the run."""
+    folder = plant(mutants, tmp / "planted")
+    tasks = sorted({m.task for m in mutants})
+    cmd = [sys.executable, "-m", "grader", "--assignments", str(folder), "--out", str(tmp / "out")]
+    cmd += ["--comm-timeout", "4", "--timeout", "20", "--tasks", *tasks]
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_environment(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the grader failed (status {proc.returncode}):\n{proc.stdout}{proc.stderr}")
+    return json.loads((tmp / "out" / "results.json").read_text())
+
+
+_SEED = re.compile(r"seed[ =:]*\d+|TINYTRAIN_GRADER_SEED=\d+", re.I)
+
+
+def verdict(m: Mutant, results: dict) -> tuple[bool, str]:
+    """(caught, why): its task failed, naming the cause, with a replay seed."""
+    row = next(t for t in results["tests"] if t["number"] == m.task)
+    out = row["output"]
+    first = out.splitlines()[0] if out else ""
+    if row["status"] != "failed":
+        return False, "passed"
+    if not re.search(m.cause, out, re.I):
+        return False, f"failed without naming the cause ({m.cause!r}): {first[:300]}"
+    if not _SEED.search(out):
+        return False, f"failed, but names no replay seed: {first[:300]}"
+    return True, first[:300]
+
+
+def run(mutants: list[Mutant], progress=print) -> dict[str, tuple[bool, str]]:
+    """Grade every mutant (in rounds, then alone where a round was inconclusive)."""
+    found: dict[str, tuple[bool, str]] = {}
+    shared: set[str] = set()  # graded together with other mutants
+    with tempfile.TemporaryDirectory(prefix="tinytrain-mutants-") as tmp:
+        for k, group in enumerate(rounds(mutants)):
+            results = grade(group, Path(tmp) / f"round{k}")
+            for m in group:
+                found[m.name] = verdict(m, results)
+                progress(f"round {k}: {m.task} {m.name}: {'caught' if found[m.name][0] else found[m.name][1]}")
+            if len(group) > 1:
+                shared |= {m.name for m in group}
+        for k, m in enumerate(m for m in mutants if not found[m.name][0] and m.name in shared):
+            found[m.name] = verdict(m, grade([m], Path(tmp) / f"alone{k}"))
+            progress(f"alone: {m.task} {m.name}: {'caught' if found[m.name][0] else found[m.name][1]}")
+    return found
+
+
+def report(mutants: list[Mutant], found: dict[str, tuple[bool, str]]) -> str:
+    lines = []
+    for a in sorted({m.task.split(".")[0] for m in mutants}, key=int):
+        mine = [m for m in mutants if m.task.split(".")[0] == a]
+        caught = sum(found[m.name][0] for m in mine)
+        lines.append(f"assignment {a}: {caught}/{len(mine)} caught")
+        lines += [f"  {m.task} {m.name}: {found[m.name][1]}" for m in mine if not found[m.name][0]]
+    total = sum(ok for ok, _ in found.values())
+    lines.append(f"total: {total}/{len(found)} caught")
+    return "\n".join(lines)
+
+
+def main(ci: bool = False, tasks: list[str] | None = None) -> int:
+    chosen = [
+        m
+        for m in MUTANTS
+        if (not ci or m.ci) and (not tasks or any(re.fullmatch(p.replace("*", ".*"), m.task) for p in tasks))
+    ]
+    found = run(chosen)
+    print(report(chosen, found))
+    return 0 if all(ok for ok, _ in found.values()) else 1
