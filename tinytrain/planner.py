@@ -26,6 +26,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, replace
 
+from tinytrain.parallel import costs
 from tinytrain.parallel.costs import (
     activation_bytes_per_layer,
     attention_share,
@@ -392,3 +393,50 @@ def run_bytes(model: ModelSpec, dp: int, zero: int = 0, itemsize: int = 4) -> di
         ("dp", "all_gather"): round(n * collective_bytes("all_gather", gathered * itemsize, n)),
         ("dp", "all_reduce"): round(loss),
     }
+
+
+def bench_points(rows: list) -> list[tuple[int, float, float]]:
+    """``bench collectives --json`` rows as ``(steps, bytes each rank sends, seconds)`` for
+    ``fit_alpha_beta`` (the nccl-tests size is the whole buffer for every collective but broadcast,
+    whose tree has no step count here and is left out)."""
+    points = []
+    for r in rows:
+        if r["collective"] == "broadcast":
+            continue
+        algo = r["algo"] if r["collective"] == "all_reduce" else "ring"
+        n = r["ranks"]
+        points.append(
+            (
+                costs.collective_steps(r["collective"], n, algo),
+                costs.collective_bytes(r["collective"], r["size_bytes"], n, algo),
+                r["time_us"] * 1e-6,
+            )
+        )
+    return points
+
+
+def measure_step(plan, config, batch_size: int = 8, seed: int = 0):
+    """One ``forward_backward`` + optimizer step of the GPT ``config`` under ``plan`` (every rank
+    calls it, under mpirun with ``plan.world_size`` ranks): the ``comm_stats`` of the step, and its
+    seconds on this rank. Traced, the step is a ``"step"`` span (building the model, whose
+    data-parallel wrapper broadcasts the weights, comes before it)."""
+    import time
+
+    import numpy
+
+    from tinytrain import distributed as dist
+    from tinytrain import trace
+    from tinytrain.nn import GPT
+    from tinytrain.optim import AdamW
+    from tinytrain.parallel.hybrid import parallelize
+
+    plan.check(dist.get_world_size(), config, batch_size)
+    parallel = parallelize(GPT(config, seed=seed), plan)
+    optimizer = AdamW(parallel.parameters(), lr=1e-3)
+    rng = numpy.random.default_rng(seed)
+    x, y = (rng.integers(0, config.vocab_size, size=(batch_size, config.block_size)) for _ in range(2))
+    start = time.perf_counter()
+    with dist.comm_stats() as stats, trace.span("step", cat="step", step=1):  # as `tinytrain train` traces a step
+        parallel.forward_backward(x, y)
+        parallel.step(optimizer)
+    return stats, time.perf_counter() - start

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 # No backend is forced: on a machine without a screen matplotlib falls back to Agg (files only),
 # and in a notebook the inline backend shows the figures.
+import re
+
 import matplotlib.pyplot as plt
 import numpy
 
@@ -235,7 +237,7 @@ def plot_timeline(spans: list[dict], path, title: str | None = None) -> None:
     """Per-rank timeline of trace spans (``tinytrain.trace.merge()``): compute (and idle) on the upper
     half of a rank's row, communication on the lower half, so overlap shows as bars stacked in one
     column. A collective's bar runs from its call to its completion; its steps are the dark marks."""
-    spans = [s for s in spans if s["cat"] not in ("memory", "step")]  # instants and whole-step markers
+    spans = [s for s in spans if s["cat"] not in ("memory", "step", "counters")]  # instants, step markers
     if not spans:
         raise ValueError("plot_timeline needs at least one span (was tracing enabled?)")
     t0 = min(s["start"] for s in spans)
@@ -262,3 +264,179 @@ def plot_timeline(spans: list[dict], path, title: str | None = None) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------
+# Communication: who sends how many bytes to whom, and how an algorithm's messages go
+#
+# A communication matrix is an (n, n) array: row i, column j = bytes rank i sent to rank j. It
+# comes from ``tinytrain.distributed.trace_merge.comm_matrix`` (a live run) or from a merged trace's
+# "comm counters" records (``comm_matrix_from_trace``).
+
+
+def comm_matrix_from_trace(spans: list, op: str | None = None, group: str | None = None) -> numpy.ndarray:
+    """The (sender, receiver) bytes matrix from the "comm counters" records a merged trace ends with
+    (each rank's per-peer counters at the merge: the whole run)."""
+    records = [s for s in spans if s["cat"] == "counters"]
+    if not records:
+        raise ValueError("the trace has no 'comm counters' records: was it merged by tinytrain.trace.merge()?")
+    n = 1 + max(max(s["rank"] for s in records), *(p[2] for s in records for p in s["args"]["peers"]))
+    matrix = numpy.zeros((n, n), dtype=numpy.int64)
+    for s in records:
+        for g, o, peer, sent, _ in s["args"]["peers"]:
+            if (op is None or o == op) and (group is None or g == group):
+                matrix[s["rank"], peer] += sent
+    return matrix
+
+
+def _bytes_label(n: float) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}" if n < 100 * scale else f"{n / scale:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def plot_comm_matrices(named: dict, path=None, title: str | None = None):
+    """Communication matrices side by side, four to a row (bytes rank i → rank j, one colour scale
+    per panel, each cell labelled), e.g. ``{"DP": m1, "ZeRO-3": m2, "TP": m3}``."""
+    cols = min(4, len(named))
+    rows = -(-len(named) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.9 * cols, 3.4 * rows), dpi=120, squeeze=False)
+    for ax in axes.flat[len(named) :]:
+        ax.axis("off")
+    for ax, (name, matrix) in zip(axes.flat, named.items()):
+        matrix = numpy.asarray(matrix)
+        ax.imshow(matrix, cmap="Blues", vmin=0, vmax=max(1, matrix.max()))
+        for (i, j), value in numpy.ndenumerate(matrix):
+            if value:
+                dark = value > 0.6 * matrix.max()
+                ax.text(j, i, _bytes_label(value), ha="center", va="center", fontsize=6, color="white" if dark else "k")
+        n = matrix.shape[0]
+        ax.set_xticks(range(n))
+        ax.set_yticks(range(n))
+        ax.set_xlabel("to rank")
+        ax.set_ylabel("from rank")
+        ax.set_title(f"{name}\n{_bytes_label(matrix.sum())} in all", fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path)
+        plt.close(fig)
+    return fig
+
+
+# The messages of one traced collective: each comm.step span names its step ("ring reduce-scatter
+# step 1/3 (chunk 0 to rank 1, chunk 3 from rank 3)", "recursive doubling round 1/2 with rank 1",
+# "tree broadcast: send to ranks [2, 1]"); the peers named are ranks of the collective's group.
+_TO = re.compile(r"chunk (\d+) to rank (\d+)|to ranks? \[?([\d, ]+)\]?|with rank (\d+)|into rank (\d+)")
+
+
+def exchange_steps(spans: list) -> list[dict]:
+    """One row per message sent in ONE traced collective call per rank (trace a single call):
+    ``{"step", "rank", "to", "chunk", "phase"}``. ``step`` is the index of the exchange among its
+    sender's exchanges (ring: reduce-scatter 0..n-2, then all-gather); ``chunk`` is None when the
+    whole buffer travels; ``phase`` is the step's name without its numbers."""
+    rows = []
+    for rank in sorted({s["rank"] for s in spans if s["cat"] == "comm.step"}):
+        mine = sorted((s for s in spans if s["cat"] == "comm.step" and s["rank"] == rank), key=lambda s: s["start"])
+        for step, s in enumerate(mine):
+            text = s["args"]["step"]
+            phase = re.split(r" step | round |: | with | \(", text)[0]
+            for m in _TO.finditer(text):
+                chunk, to_one, to_many, partner, into = m.groups()
+                peers = [int(x) for x in to_many.split(",")] if to_many else [int(to_one or partner or into)]
+                for peer in peers:
+                    chunk_id = None if chunk is None else int(chunk)
+                    rows.append({"step": step, "rank": rank, "to": peer, "chunk": chunk_id, "phase": phase})
+    if not rows:
+        raise ValueError("no messages found: trace one collective with tinytrain.trace enabled and merge it")
+    return rows
+
+
+def plot_exchange_steps(rows: list, n: int, path=None, title: str | None = None):
+    """An algorithm drawn step by step: one panel per step, the n ranks on a circle, an arrow per
+    message coloured by the chunk it carries (grey: the whole buffer), labelled ``c2``; in a ring
+    all-reduce the receiver adds the chunk during reduce-scatter and keeps it during all-gather."""
+    steps = sorted({r["step"] for r in rows})
+    fig, axes = plt.subplots(1, len(steps), figsize=(2.3 * len(steps), 2.7), dpi=120, squeeze=False)
+    angle = 2 * numpy.pi * numpy.arange(n) / n
+    xy = numpy.stack([numpy.sin(angle), numpy.cos(angle)], axis=1)
+    colours = plt.get_cmap("tab10")
+    for ax, step in zip(axes[0], steps):
+        here = [r for r in rows if r["step"] == step]
+        for r in here:
+            (x0, y0), (x1, y1) = xy[r["rank"]], xy[r["to"]]
+            colour = "0.5" if r["chunk"] is None else colours(r["chunk"] % 10)
+            ax.annotate(
+                "",
+                xy=(x1 * 0.82, y1 * 0.82),
+                xytext=(x0 * 0.82, y0 * 0.82),
+                arrowprops=dict(arrowstyle="-|>", color=colour, lw=1.6, connectionstyle="arc3,rad=0.15"),
+            )
+            if r["chunk"] is not None:
+                mx, my = (x0 + x1) / 2, (y0 + y1) / 2
+                ax.text(mx * 0.7, my * 0.7, f"c{r['chunk']}", color=colour, fontsize=7, ha="center", va="center")
+        for rank, (x, y) in enumerate(xy):
+            ax.add_patch(plt.Circle((x, y), 0.17, color="#eeeeee", ec="k", lw=0.6))
+            ax.text(x, y, str(rank), ha="center", va="center", fontsize=8)
+        ax.set_xlim(-1.3, 1.3)
+        ax.set_ylim(-1.3, 1.3)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        ax.set_title(f"step {step + 1}\n{here[0]['phase']}", fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path)
+        plt.close(fig)
+    return fig
+
+
+def plot_bytes_vs_formula(names: list, measured: list, formula: list, path=None, unit: str = "bytes per step"):
+    """Measured bytes (all ranks, one step) next to the handout's formula, one pair of bars per strategy."""
+    fig, ax = plt.subplots(figsize=(1.3 * len(names) + 2, 3.4), dpi=120)
+    x = numpy.arange(len(names))
+    ax.bar(x - 0.2, measured, 0.4, label="measured")
+    ax.bar(x + 0.2, formula, 0.4, label="formula", hatch="//", alpha=0.7)
+    for i, (m, f) in enumerate(zip(measured, formula)):
+        ax.text(i, max(m, f), "=" if m == f else f"{m / f:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x)
+    ax.set_xticklabels(names, fontsize=8)
+    ax.set_ylabel(unit)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path)
+        plt.close(fig)
+    return fig
+
+
+def plot_latency_model(rows: list, model, crossovers: dict | None = None, path=None, title: str | None = None):
+    """Latency against message size per algorithm (``bench collectives --json`` rows), measured
+    points and the α-β model's line ``model(algo, size_bytes) -> seconds``; vertical lines at the
+    ``crossovers`` ({label: size in bytes}) where the cheaper algorithm changes."""
+    fig, ax = plt.subplots(figsize=(6.5, 4), dpi=120)
+    for i, algo in enumerate(sorted({r["algo"] for r in rows})):
+        mine = sorted((r for r in rows if r["algo"] == algo), key=lambda r: r["size_bytes"])
+        sizes = numpy.array([r["size_bytes"] for r in mine], dtype=float)
+        colour = plt.get_cmap("tab10")(i)
+        ax.plot(sizes, [r["time_us"] for r in mine], "o", color=colour, label=f"{algo} (measured)")
+        grid = numpy.geomspace(sizes.min(), sizes.max(), 50)
+        ax.plot(grid, [model(algo, s) * 1e6 for s in grid], "-", color=colour, lw=1, label=f"{algo} (α-β)")
+    for label, size in (crossovers or {}).items():
+        ax.axvline(size, color="k", ls=":", lw=1)
+        ax.text(size, ax.get_ylim()[1], label, rotation=90, va="top", ha="right", fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("time per call (µs)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    ax.set_title(title or "latency vs size: measured and the α-β model")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path)
+        plt.close(fig)
+    return fig

@@ -14,6 +14,11 @@ Use :func:`comm_stats` to measure a region of code::
 
 The counters only grow; a ``comm_stats`` block reports the difference between its end and its
 start, so blocks may nest.
+
+Bytes are also counted per peer (the world rank at the other end), so a region has a
+communication matrix: ``s.sent_to()`` is this rank's row, {peer: bytes}; ``comm_matrix(s)`` in
+``trace_merge.py`` gathers every rank's row into the (sender, receiver) matrix, and a merged trace
+carries each rank's per-peer counters (a ``"comm counters"`` record, see ``peer_records``).
 """
 
 from __future__ import annotations
@@ -48,11 +53,34 @@ def snapshot() -> dict[tuple[str, str], tuple[int, int, int, int]]:
     return {key: tuple(row) for key, row in _counters.items()}
 
 
+def peer_snapshot() -> dict[tuple[str, str, int], tuple[int, int]]:
+    """A copy of the per-peer counters: (group, op, peer world rank) -> (bytes sent, bytes received)."""
+    return {key: tuple(row) for key, row in _by_peer.items()}
+
+
+def peer_records(peers: dict | None = None) -> list[list]:
+    """Per-peer counters as JSON-ready rows ``[group, op, peer, sent, received]`` (default: all so far)."""
+    peers = peer_snapshot() if peers is None else peers
+    return [[g, o, p, s, r] for (g, o, p), (s, r) in sorted(peers.items())]
+
+
+def _delta(after: dict, before: dict) -> dict:
+    """The rows of ``after`` that grew since ``before``, by how much."""
+    out = {}
+    for key, row in after.items():
+        old = before.get(key, (0,) * len(row))
+        delta = tuple(a - b for a, b in zip(row, old))
+        if any(delta):
+            out[key] = delta
+    return out
+
+
 class CommStats:
     """The bytes counted between two snapshots, with small query helpers."""
 
     def __init__(self) -> None:
         self.rows: dict[tuple[str, str], tuple[int, int, int, int]] = {}
+        self.peers: dict[tuple[str, str, int], tuple[int, int]] = {}
 
     def _sum(self, column: int, op: str | None, group: str | None) -> int:
         return sum(
@@ -73,6 +101,15 @@ class CommStats:
         """Messages sent."""
         return self._sum(2, op, group)
 
+    def sent_to(self, op: str | None = None, group: str | None = None, received: bool = False) -> dict[int, int]:
+        """{peer world rank: bytes sent to it} (``received=True``: bytes received from it), optionally
+        only for one operation and/or group: this rank's row of the communication matrix."""
+        row: dict[int, int] = {}
+        for (g, o, peer), counts in self.peers.items():
+            if (op is None or o == op) and (group is None or g == group):
+                row[peer] = row.get(peer, 0) + counts[1 if received else 0]
+        return {peer: n for peer, n in sorted(row.items()) if n}
+
     def table(self) -> str:
         """A small text table, one line per (group, op)."""
         lines = [f"{'group':<16}{'op':<16}{'sent':>14}{'recv':>14}{'msgs':>8}"]
@@ -87,20 +124,17 @@ class CommStats:
 @contextlib.contextmanager
 def comm_stats():
     """Count the bytes sent and received inside the ``with`` block (see module docstring)."""
-    before = snapshot()
+    before, peers_before = snapshot(), peer_snapshot()
     stats = CommStats()
     try:
         yield stats
     finally:
-        for key, row in snapshot().items():
-            old = before.get(key, (0, 0, 0, 0))
-            delta = tuple(a - b for a, b in zip(row, old))
-            if any(delta):
-                stats.rows[key] = delta
+        stats.rows = _delta(snapshot(), before)
+        stats.peers = _delta(peer_snapshot(), peers_before)
 
 
 def totals() -> CommStats:
     """Everything counted since the process started."""
     stats = CommStats()
-    stats.rows = snapshot()
+    stats.rows, stats.peers = snapshot(), peer_snapshot()
     return stats

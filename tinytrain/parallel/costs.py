@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import math
 
+import numpy
+
 from tinytrain.parallel.simulator import bubble_formula
 
 __all__ = [
@@ -40,6 +42,8 @@ __all__ = [
     "gpt_parameters",
     "gpt_flops",
     "attention_share",
+    "fit_alpha_beta",
+    "crossover",
 ]
 
 # --- collectives: volume and α-β time ------------------------------------------------------------
@@ -162,3 +166,30 @@ def gpt_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool = False) -
 def attention_share(s: int, l: int, h: int, V: int) -> float:  # noqa: E741
     """The share of ``gpt_flops`` spent in attention scores and their weighted sums (the s/(6h) term)."""
     return (s / (6 * h)) / (1 + s / (6 * h) + V / (16 * l * h))
+
+
+# --- calibration: α and bandwidth from measured times ------------------------------------------------
+
+
+def fit_alpha_beta(points) -> tuple[float, float]:
+    """Least-squares (α, bandwidth) of ``time = steps·α + bytes/bandwidth`` from ``(steps, bytes each
+    rank sends, seconds)`` points (e.g. ``bench collectives`` rows through ``collective_steps`` and
+    ``collective_bytes``). α is kept at or above 0."""
+    a = numpy.array([[s, b] for s, b, _ in points], dtype=float)
+    t = numpy.array([sec for _, _, sec in points], dtype=float)
+    (alpha, per_byte), *_ = numpy.linalg.lstsq(a, t, rcond=None)
+    if alpha < 0:  # bandwidth alone explains the times better: fit it alone
+        alpha, per_byte = 0.0, float(a[:, 1] @ t / (a[:, 1] @ a[:, 1]))
+    if per_byte <= 0:
+        raise ValueError("the times do not grow with message size: measure larger messages to fit a bandwidth")
+    return float(alpha), 1.0 / float(per_byte)
+
+
+def crossover(op: str, algo_a: str, algo_b: str, n: int, alpha: float, bandwidth: float) -> float | None:
+    """The buffer size (bytes) at which ``algo_a`` and ``algo_b`` take equal α-β time, or None if
+    one is always cheaper. Below it the algorithm with fewer steps wins, above it the one that sends less."""
+    steps = collective_steps(op, n, algo_b) - collective_steps(op, n, algo_a)
+    per_byte = (collective_bytes(op, 1.0, n, algo_a) - collective_bytes(op, 1.0, n, algo_b)) / bandwidth
+    if steps == 0 or per_byte == 0 or (steps > 0) != (per_byte > 0):
+        return None
+    return steps * alpha / per_byte
