@@ -92,6 +92,14 @@ def test_interleaved_schedule(impl):
         assert abs(t.bubble_share - bubble_formula(p, m, v)) < 1e-9, (
             f"{what}: bubble {t.bubble_share:.4f}, textbook (p-1)/(v·m+p-1) = {bubble_formula(p, m, v):.4f}"
         )
+        # Warm-up of stage s: 2(p-1-s) + (v-1)p chunk forwards, then one more before the first
+        # backward; all m·v when m == p. The peak of stored activations shows it.
+        total = m * v
+        expected = [total if m == p else min(total, 2 * (p - 1 - s) + (v - 1) * p + 1) for s in range(p)]
+        assert t.peak_activations == expected, (
+            f"{what}: stages hold at most {t.peak_activations} chunk activations at once; interleaved 1F1B holds "
+            f"{expected} (stage s warms up with 2(p-1-s) + (v-1)p forwards, all of them when m == p)"
+        )
     with pytest.raises(ValueError):
         impl.pipeline.interleaved_1f1b(4, 6, 2)  # 6 micro-batches do not go in groups of 4
 
@@ -125,6 +133,30 @@ def test_activation_and_gradient_cross_stages(impl):
         assert h.requires_grad and h.is_leaf, "rank 1: the received activation must be a leaf that requires grad"
         (h * h).sum().backward()
         pl.send_gradient(h, 0, tag=8).wait()
+
+
+@pytest.mark.task("5.1")
+@pytest.mark.world_size(2)
+def test_each_received_activation_has_its_own_buffer(impl):
+    """Backward needs every micro-batch's activation until its B: a receive must not reuse the
+    buffer of an earlier one."""
+    rng, seed = shared_rng()
+    shape = (int(rng.integers(2, 9)), int(rng.integers(2, 9)))
+    first = rng.normal(size=shape).astype(np.float32)
+    pl = impl.pipeline
+    if dist.get_rank() == 0:
+        for values in (first, first + 1):
+            pl.send_activation(Tensor(values), 1, tag=7).wait()
+    else:
+        a = pl.recv_activation(shape, np.float32, 0, tag=7)
+        b = pl.recv_activation(shape, np.float32, 0, tag=7)
+        assert_close(b.data, first + 1, what=f"rank 1: the second received activation (seed {seed})")
+        assert_close(
+            a.data,
+            first,
+            what=f"rank 1: the first received activation after the second arrived: receive each micro-batch into a "
+            f"fresh buffer, backward still needs the earlier one (seed {seed})",
+        )
 
 
 def _actions(text):

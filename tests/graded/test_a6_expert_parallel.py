@@ -28,11 +28,14 @@ def host(a):
     return to_host(a.data if isinstance(a, Tensor) else a)
 
 
-def drawn_layer(skewed: bool, k: int | None = None, capacity_factor: float | None = None, dtype=np.float64):
+def drawn_layer(
+    skewed: bool, k: int | None = None, capacity_factor: float | None = None, dtype=np.float64, experts=None
+):
     """A MoE layer and a global batch of tokens drawn from the grading seed (the same on every rank)."""
     seed = grading_seed()
     rng = np.random.default_rng(seed)
     E = int(rng.choice([4, 8]))
+    E = E if experts is None else experts
     k = int(rng.integers(1, 3)) if k is None else k
     cf = float(rng.uniform(0.5, 1.0)) if capacity_factor is None else capacity_factor
     C, rows = int(rng.integers(3, 7)), N * int(rng.integers(2, 6))
@@ -171,7 +174,8 @@ def test_all_to_all_function_forward_and_backward(impl):
 @SKEW
 def test_dropless_dispatch_runs_every_row_on_its_expert_and_sends_the_formula(impl, skewed):
     ep = impl.expert_parallel
-    moe, x, _, what = drawn_layer(skewed, capacity_factor=0.0)
+    # Two experts per rank, so the rows that arrive must be regrouped by expert before they run.
+    moe, x, _, what = drawn_layer(skewed, capacity_factor=0.0, experts=2 * N)
     E, k, r = moe.n_experts, moe.top_k, dist.get_rank()
     experts_all = route(serial_probs(moe, x), k, None)[0]
     mine = my_rows(x)

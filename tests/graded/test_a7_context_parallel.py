@@ -10,6 +10,9 @@ q·k products each rank computes against the causal skips.
 
 from __future__ import annotations
 
+import importlib
+import re
+
 import numpy as np
 import pytest
 
@@ -19,6 +22,7 @@ from tinytrain import functional as F
 from tinytrain.autograd import Tensor
 from tinytrain.backend import to_host, xp
 from tinytrain.nn import GPT, GPTConfig
+from tinytrain.parallel.context_parallel.split import positions as reference_positions
 
 N = 4  # the CP group: the whole world of these tests
 
@@ -120,6 +124,26 @@ def check_attention(y, mine, want_y, want_grads, pos, what, grads=True):
             close(t.grad, g[:, :, pos], f"d{name} at my positions {pos.tolist()}, {what}")
 
 
+def record_sends_and_blocks(cp, monkeypatch) -> list[str]:
+    """Record, in order, each K/V ``pass_on`` (S) and each ``block_attention`` (C) of the ring module."""
+    ring = importlib.import_module(cp.__name__ + ".ring")
+    events: list[str] = []
+    pass_on, block = ring.pass_on, ring.block_attention
+
+    def sending(buf, group, tag, *args, **kwargs):
+        if tag == ring.TAG_KV:
+            events.append("S")
+        return pass_on(buf, group, tag, *args, **kwargs)
+
+    def computing(*args, **kwargs):
+        events.append("C")
+        return block(*args, **kwargs)
+
+    monkeypatch.setattr(ring, "pass_on", sending)
+    monkeypatch.setattr(ring, "block_attention", computing)
+    return events
+
+
 def contiguous_positions(T):
     r, c = dist.get_rank(), T // N
     return np.arange(r * c, (r + 1) * c)
@@ -127,7 +151,7 @@ def contiguous_positions(T):
 
 @pytest.mark.task("7.2")
 @pytest.mark.world_size(N)
-def test_ring_forward_matches_serial_attention_with_causal_skips_and_ring_bytes(impl):
+def test_ring_forward_matches_serial_attention_with_causal_skips_and_ring_bytes(impl, monkeypatch):
     cp = impl.context_parallel
     rng, seed = shared_rng()
     arrays, want_y, _ = drawn_attention(rng, "contiguous")
@@ -135,10 +159,17 @@ def test_ring_forward_matches_serial_attention_with_causal_skips_and_ring_bytes(
     pos = contiguous_positions(T)
     what = f"ring attention, contiguous split, q {arrays[0].shape} (seed {seed})"
     mine = [leaf(a[:, :, pos]) for a in arrays[:3]]
+    events = record_sends_and_blocks(cp, monkeypatch)
     cp.WORK.reset()
     with dist.comm_stats() as s:
         y = cp.ring_attention(*mine, group=dist.world(), split="contiguous")
     check_attention(y, mine, want_y, None, pos, what, grads=False)
+    order = "".join(events)
+    assert re.fullmatch(f"(SC*){{{N - 1}}}C*", order), (
+        f"{what}: rank {dist.get_rank()} posted the K/V sends (S) and computed blocks (C) in the order {order}; "
+        f"post each step's send before computing on the block you hold (S, then its blocks C, {N - 1} times, "
+        "then the last block's C), so the next block travels while you compute"
+    )
     kv = 2 * mine[0].data.nbytes
     assert s.sent("send", group=dist.world().name) == (N - 1) * kv, (
         f"{what}: the K/V block ({kv} bytes) is sent N - 1 = {N - 1} times\n{s.table()}"
@@ -274,6 +305,12 @@ def test_alltoall_attention_matches_serial_and_sends_four_all_to_alls_each_way(i
         assert s.sent("all_to_all", group=dist.world().name) == 4 * one, (
             f"{what}: {label} runs 4 all-to-alls (q, k, v and the output), {4 * one} bytes\n{s.table()}"
         )
+    # Zigzag: the gathered positions are out of order, so the sort (and its inverse) must be right.
+    # (The positions come from the reference, so this checks 7.5's sort, not 7.4's split.)
+    arrays, want_y, want_grads = drawn_attention(rng, "zigzag", heads_multiple=N)
+    pos = reference_positions(arrays[0].shape[2], dist.get_rank(), N, "zigzag")
+    y, mine, _, _ = run_attention(cp.alltoall_attention, arrays, pos, "zigzag")
+    check_attention(y, mine, want_y, want_grads, pos, f"all-to-all attention, zigzag split (seed {seed})")
     bad = [leaf(np.zeros((1, N + 1, 2, 1))) for _ in range(3)]
     with pytest.raises(ValueError, match="heads"):
         cp.alltoall_attention(*bad, group=dist.world(), split="contiguous")
