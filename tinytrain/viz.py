@@ -332,14 +332,17 @@ def plot_comm_matrices(named: dict, path=None, title: str | None = None):
 _TO = re.compile(r"chunk (\d+) to rank (\d+)|to ranks? \[?([\d, ]+)\]?|with rank (\d+)|into rank (\d+)")
 
 
-def exchange_steps(spans: list) -> list[dict]:
+def exchange_steps(spans: list, op: str | None = None) -> list[dict]:
     """One row per message sent in ONE traced collective call per rank (trace a single call):
     ``{"step", "rank", "to", "chunk", "phase"}``. ``step`` is the index of the exchange among its
     sender's exchanges (ring: reduce-scatter 0..n-2, then all-gather); ``chunk`` is None when the
-    whole buffer travels; ``phase`` is the step's name without its numbers."""
+    whole buffer travels; ``phase`` is the step's name without its numbers. Only the steps of
+    ``op`` count when given; the signature checks of debug mode (``"debug_check"``) never do."""
+    steps = [s for s in spans if s["cat"] == "comm.step" and s["name"] != "debug_check"]
+    steps = [s for s in steps if op is None or s["name"] == op]
     rows = []
-    for rank in sorted({s["rank"] for s in spans if s["cat"] == "comm.step"}):
-        mine = sorted((s for s in spans if s["cat"] == "comm.step" and s["rank"] == rank), key=lambda s: s["start"])
+    for rank in sorted({s["rank"] for s in steps}):
+        mine = sorted((s for s in steps if s["rank"] == rank), key=lambda s: s["start"])
         for step, s in enumerate(mine):
             text = s["args"]["step"]
             phase = re.split(r" step | round |: | with | \(", text)[0]

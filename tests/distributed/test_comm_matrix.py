@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from tinytrain import distributed as dist
-from tinytrain import planner
+from tinytrain import planner, trace, viz
+from tinytrain.distributed.trace_merge import comm_matrix
 from tinytrain.nn import GPT, GPTConfig
 from tinytrain.optim import AdamW
 from tinytrain.parallel import costs
@@ -47,3 +48,104 @@ def test_planner_bytes_equal_the_measured_bytes_of_a_data_parallel_step(zero):
         grads -= n * costs.collective_bytes("all_reduce", 8, n, "recursive_doubling")
     tied = 16 * 32
     assert grads == n * costs.data_parallel_volume(psi, n, zero, tied) * 4
+
+
+@pytest.mark.world_size(4)
+def test_ring_all_reduce_matrix_is_the_ring_and_sent_equals_received():
+    n, r = dist.get_world_size(), dist.get_rank()
+    x = np.ones(4096, dtype=np.float32)
+    with dist.comm_stats() as stats:
+        dist.all_reduce(x, algo="ring")
+    # op="all_reduce": the test harness also cross-checks each call's signature ("debug_check")
+    assert stats.sent_to("all_reduce") == {(r + 1) % n: 2 * (n - 1) * x.nbytes // n}
+    assert stats.sent_to("all_reduce", received=True) == {(r - 1) % n: 2 * (n - 1) * x.nbytes // n}
+    matrix = comm_matrix(stats, op="all_reduce")
+    want = np.zeros((n, n), dtype=np.int64)
+    for i in range(n):
+        want[i, (i + 1) % n] = 2 * (n - 1) * x.nbytes // n
+    np.testing.assert_array_equal(matrix, want)
+    received = comm_matrix_received(stats)
+    np.testing.assert_array_equal(received.T, matrix)  # what j received from i is what i sent to j
+
+
+def comm_matrix_received(stats):
+    n = dist.get_world_size()
+    row = np.zeros(n, dtype=np.int64)
+    for peer, nbytes in stats.sent_to("all_reduce", received=True).items():
+        row[peer] = nbytes
+    return dist.all_gather(row).reshape(n, n)
+
+
+@pytest.mark.world_size(4)
+def test_hybrid_matrix_has_the_tensor_and_data_parallel_partners_only():
+    """dp 2 x tp 2: rank r's TP partner is r ^ 1 (neighbours), its DP partner r ^ 2; nothing else."""
+    _, stats = one_step(Plan(dp=2, tp=2))
+    matrix = comm_matrix(stats)
+    r = dist.get_rank()
+    assert set(np.flatnonzero(matrix[r])) == {r ^ 1, r ^ 2}
+    assert matrix[r, r ^ 1] == stats.sent(group="tp") > 0
+    assert matrix[r, r ^ 2] == stats.sent(group="dp") > 0
+    assert matrix[r].sum() == stats.sent()
+
+
+@pytest.mark.world_size(4)
+def test_a_merged_trace_keeps_the_per_peer_counters():
+    n, r = dist.get_world_size(), dist.get_rank()
+    trace.clear()
+    trace.enable()
+    try:
+        dist.all_reduce(np.ones(1000, dtype=np.float32), algo="ring")
+        dist.sendrecv(np.ones(8), (r + 1) % n, np.empty(8), (r - 1) % n)
+    finally:
+        trace.enable(False)
+    counted = dist.totals()  # the counters the merge records (it snapshots them before it sends)
+    spans = trace.merge()
+    trace.clear()
+    whole_run = comm_matrix(counted)
+    if r == 0:
+        np.testing.assert_array_equal(viz.comm_matrix_from_trace(spans), whole_run)
+        sendrecv = viz.comm_matrix_from_trace(spans, op="sendrecv")
+        np.testing.assert_array_equal(sendrecv, 64 * np.roll(np.eye(n, dtype=np.int64), 1, axis=1))
+
+
+def traced(call):
+    trace.clear()
+    trace.enable()
+    try:
+        call()
+    finally:
+        trace.enable(False)
+    spans = trace.merge()
+    trace.clear()
+    return spans
+
+
+@pytest.mark.world_size(4)
+def test_exchange_steps_of_a_traced_ring_are_the_rings_schedule():
+    n = dist.get_world_size()
+    spans = traced(lambda: dist.all_reduce(np.ones(4 * n, dtype=np.float32), algo="ring"))
+    if dist.get_rank() != 0:
+        return
+    rows = viz.exchange_steps(spans)
+    assert len(rows) == n * 2 * (n - 1)
+    for row in rows:
+        s, r = row["step"], row["rank"]
+        assert row["to"] == (r + 1) % n
+        if s < n - 1:  # reduce-scatter: rank r passes chunk r - s, the receiver adds it
+            assert row["phase"] == "ring reduce-scatter" and row["chunk"] == (r - s) % n
+        else:  # all-gather: finished chunks travel on
+            assert row["phase"] == "ring all-gather" and row["chunk"] == (r + 1 - (s - n + 1)) % n
+
+
+@pytest.mark.world_size(4)
+def test_exchange_steps_of_recursive_doubling_and_the_tree():
+    n = dist.get_world_size()
+    spans = traced(lambda: dist.all_reduce(np.ones(16, dtype=np.float32), algo="recursive_doubling"))
+    tree = traced(lambda: dist.broadcast(np.ones(16, dtype=np.float32), src=0))
+    if dist.get_rank() != 0:
+        return
+    rows = viz.exchange_steps(spans)
+    assert {(x["step"], x["rank"], x["to"]) for x in rows} == {(k, r, r ^ (1 << k)) for k in range(2) for r in range(n)}
+    assert all(x["chunk"] is None for x in rows)
+    edges = {(x["rank"], x["to"]) for x in viz.exchange_steps(tree)}
+    assert edges == {(0, 2), (0, 1), (2, 3)}  # binomial tree from rank 0
