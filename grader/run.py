@@ -135,10 +135,11 @@ def _one_run(opts: RunOptions, nodeids: list[str] | None, workdir: Path, on_even
             seen(ev)
         if rc is not None:
             break
-        if time.monotonic() - last > opts.timeout:
+        budget = opts.timeout if pos else max(opts.timeout, STARTUP_BUDGET)  # pos: some event was logged
+        if time.monotonic() - last > budget:
             ended = (
-                f"hung: the test ran past the grader's budget of {opts.timeout:g} s and its harness did not "
-                "end it (code holding the interpreter in C?), so the run was killed"
+                f"hung: no progress for {budget:g} s (the grader's budget) and the harness did not end the "
+                "test (code holding the interpreter in C?), so the run was killed"
             )
             _kill(proc)
             break
@@ -152,6 +153,7 @@ def _one_run(opts: RunOptions, nodeids: list[str] | None, workdir: Path, on_even
     return ended, out.read()[-OUTPUT_TAIL:]
 
 
+STARTUP_BUDGET = 120.0  # seconds mpirun may take to start and collect the tests (imports on a busy machine)
 OUTPUT_TAIL = 24000  # characters of mpirun's output kept: enough for every rank's stacks
 
 

@@ -203,10 +203,10 @@ def test_reduce_scatter_matches_mpi(impl, monkeypatch):
 def test_reduce_scatter_uneven_pieces_and_max(impl, monkeypatch):
     case, steps = Case(), Steps(monkeypatch)
     for g, ranks in case.groups():
+        counts = case.lengths(len(ranks), low=0, high=40)  # drawn on every rank: the draws stay in step
         if g is None:
             continue
         n = g.size
-        counts = case.lengths(n, low=0, high=40)
         x = case.data(sum(counts), np.float64, dist.get_rank())
         expected = np.empty(counts[g.rank], dtype=np.float64)
         mpi(g, "Reduce_scatter", x, expected, counts, op=MPI.MAX)
@@ -250,9 +250,9 @@ def test_all_gather_matches_mpi(impl, monkeypatch):
 def test_all_gather_uneven_pieces(impl, monkeypatch):
     case, steps = Case(), Steps(monkeypatch)
     for g, ranks in case.groups():
+        counts = case.lengths(len(ranks), low=0, high=40)  # drawn on every rank: the draws stay in step
         if g is None:
             continue
-        counts = case.lengths(g.size, low=0, high=40)
         x = case.data((counts[g.rank], 3), np.int64, dist.get_rank())
         expected = np.empty((sum(counts), 3), dtype=np.int64)
         mpi(g, "Allgatherv", x, [expected, [3 * c for c in counts]])
