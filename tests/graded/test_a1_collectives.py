@@ -206,7 +206,6 @@ def test_reduce_scatter_uneven_pieces_and_max(impl, monkeypatch):
         counts = case.lengths(len(ranks), low=0, high=40)  # drawn on every rank: the draws stay in step
         if g is None:
             continue
-        n = g.size
         x = case.data(sum(counts), np.float64, dist.get_rank())
         expected = np.empty(counts[g.rank], dtype=np.float64)
         mpi(g, "Reduce_scatter", x, expected, counts, op=MPI.MAX)
