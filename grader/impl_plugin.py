@@ -206,7 +206,24 @@ def pytest_runtest_makereport(item, call):
         rep.outcome = "skipped"
         rep.longrepr = (str(item.path), item.location[1] or 0, reason)
     elif rep.failed:
+        crash = getattr(rep.longrepr, "reprcrash", None)
+        if crash is not None:
+            crash.message = numpy_message_first(crash.message)
         _add_replay_hint(rep)
+
+
+_NUMPY_HEADS = ("Not equal to tolerance", "Arrays are not equal", "Arrays are not almost equal")
+
+
+def numpy_message_first(message: str) -> str:
+    """numpy's assertions start with an empty line and bury the test's ``err_msg`` (what was
+    compared) under the tolerance: put what, the tolerance and the worst difference on line one."""
+    lines = message.strip().splitlines()
+    if len(lines) < 3 or lines[0].strip() != "AssertionError:" or not lines[1].startswith(_NUMPY_HEADS):
+        return message
+    facts = [ln.strip() for ln in lines[3:] if ln.startswith(("Mismatched elements", "Max absolute difference"))]
+    first = f"AssertionError: {lines[2].strip()}: {'; '.join([lines[1].strip(), *facts])}"
+    return "\n".join([first, *lines[1:]])
 
 
 def _add_replay_hint(rep) -> None:
