@@ -440,3 +440,20 @@ def measure_step(plan, config, batch_size: int = 8, seed: int = 0):
         parallel.forward_backward(x, y)
         parallel.step(optimizer)
     return stats, time.perf_counter() - start
+
+
+def calibrate(rows: list) -> tuple[float, float]:
+    """(α seconds, bandwidth bytes/s) of this machine's links, fitted to ``bench collectives --json`` rows."""
+    return costs.fit_alpha_beta(bench_points(rows))
+
+
+def run_time(model: ModelSpec, dp: int, compute: float, alpha: float, bandwidth: float, buckets: list[int]) -> dict:
+    """The step time of ``tinytrain train --dp dp`` on a calibrated machine: ``compute`` (seconds of
+    one rank's forward + backward + optimizer step on its B/dp rows, measured serially) + each
+    gradient bucket's ring all-reduce (``buckets``: bytes of each) + the loss average, in the α-β model
+    (on CPU ranks share cores, so nothing is counted as hidden behind compute)."""
+    from tinytrain.distributed.choice import choose_all_reduce_algo
+
+    grads = sum(costs.collective_time("all_reduce", b, dp, alpha, bandwidth) for b in buckets)
+    loss = costs.collective_time("all_reduce", 8, dp, alpha, bandwidth, choose_all_reduce_algo(8))
+    return {"compute": compute, "gradients": grads, "loss": loss, "step": compute + grads + loss}
