@@ -319,7 +319,13 @@ def _check_writable(folder: Path, flag: str) -> None:
 
 def default_layout(args) -> None:
     """``mpirun -n N tinytrain train`` with no layout flag: data parallel over all N ranks (as torchrun
-    users expect), never N separate runs racing on one --out."""
+    users expect), never N separate runs racing on one --out.
+
+    Only for a program that mpirun started: where MPI is running already (the test harness, a
+    notebook), a caller that runs a serial training on one rank means it."""
+    dist = sys.modules.get("tinytrain.distributed")
+    if dist is not None and dist.is_initialized():
+        return
     rank, world = launched_world()
     if world > 1 and plan_of(args).is_serial:
         args.dp = world
