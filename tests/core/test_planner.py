@@ -117,3 +117,20 @@ def test_plan_bad_input_says_what_to_change(capsys, argv, message):
 def test_a_model_too_big_for_the_cluster_is_said(capsys):
     assert cli.main(["plan", "--model", "gpt3-175b", "--nodes", "1", "--gpus-per-node", "1"]) == 1
     assert "no layout fits" in capsys.readouterr().out
+
+
+def test_the_handouts_worked_example_is_what_the_planner_prints(capsys):
+    """docs/choosing_a_layout.md quotes the first row of this command; keep them in step."""
+    from pathlib import Path
+
+    argv = ["plan", "--model", "gpt3-175b", "--nodes", "192", "--without", "cp", "sp", "zero", "--top", "1"]
+    assert cli.main(argv) == 0
+    first = next(line for line in capsys.readouterr().out.splitlines() if "of peak" in line)
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "choosing_a_layout.md").read_text()
+    for figure in first.split()[:6] + [first.split("step")[1].split()[0], first.split("GB")[0].split()[-1]]:
+        assert figure in doc, f"the handout does not quote {figure!r} of: {first}"
+    rows = planner.plan(planner.PRESETS["gpt3-175b"], planner.Cluster(nodes=192), without=("cp", "sp", "zero"))
+    across = next(r for r in rows if r["fits"] and r["links"]["tp"] == "inter-node")
+    assert f"{across['time']['step']:.3f} s" in doc and f"{across['time']['tensor_parallel']:.2f} s" in doc
+    tp1 = planner.best(rows, tp=1)
+    assert tp1["layout"]["pp"] == 48 and f"{tp1['time']['bubble_share']:.0%}" in doc
