@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import threading
 import types
+import weakref
 
 import numpy
 from numpy.lib.mixins import NDArrayOperatorsMixin
@@ -57,7 +58,8 @@ counts = Counts()
 _lock = threading.Lock()
 _launches = 0  # operations queued on the "device" so far
 _synced_at = 0  # _launches at the last stream synchronization
-_last_write: dict[int, tuple] = {}  # id(base ndarray) -> (the ndarray, _launches when last written)
+_last_write: dict[int, tuple] = {}  # id(base ndarray) -> (weak reference to it, _launches when last written)
+_prune_at = 4096  # forget dead or synchronized entries when the table grows past this
 
 _IMPLICIT = (
     "Implicit conversion to a NumPy array is not allowed (TINYTRAIN_DEVICE=strict behaves like CuPy here). "
@@ -73,14 +75,15 @@ def _base(a: numpy.ndarray) -> numpy.ndarray:
 
 def _written(a: numpy.ndarray) -> None:
     """Record that a queued operation wrote ``a`` (MPI may read it only after a synchronize)."""
-    global _launches
+    global _launches, _prune_at
     with _lock:
         _launches += 1
         base = _base(a)
-        _last_write[id(base)] = (base, _launches)
-        if len(_last_write) > 4096:  # forget arrays written before the last synchronization
-            for key in [k for k, (_, t) in _last_write.items() if t <= _synced_at]:
+        _last_write[id(base)] = (weakref.ref(base), _launches)
+        if len(_last_write) > _prune_at:
+            for key in [k for k, (ref, t) in _last_write.items() if t <= _synced_at or ref() is None]:
                 del _last_write[key]
+            _prune_at = max(4096, 2 * len(_last_write))
 
 
 def _host_copy_in(obj) -> None:
@@ -419,7 +422,7 @@ def device_buffer(a: ndarray) -> numpy.ndarray:
     """
     base = _base(a._a)
     entry = _last_write.get(id(base))
-    if entry is not None and entry[0] is base and entry[1] > _synced_at:
+    if entry is not None and entry[0]() is base and entry[1] > _synced_at:
         raise UnsynchronizedBuffer(
             f"a device buffer (shape {a.shape}, {a.dtype}) was handed to MPI after an operation wrote it and "
             "before the stream was synchronized; call tinytrain.backend.synchronize() first."
