@@ -108,16 +108,15 @@ def grade(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     problems, runnable = [], []
-    refused: dict[str, str] = {}
+    refused: dict[str, str] = {}  # task id -> why it is not graded
     if args.impl == "assignments":
         for a in {t.assignment for t in tasks}:
             path = Path(args.assignments) / Path(rubric.assignments[a].file).name if args.assignments else None
-            try:
-                guard.check(rubric.assignments[a], path=path)
-            except guard.Refused as exc:
-                refused[a] = str(exc)
-                print(exc, file=sys.stderr)
-    runnable = [t for t in tasks if t.assignment not in refused]
+            for task, found in guard.refused_tasks(rubric.assignments[a], path=path).items():
+                refused[task] = guard.refusal(rubric.assignments[a], found)
+        for message in dict.fromkeys(refused.values()):
+            print(message, file=sys.stderr)
+    runnable = [t for t in tasks if t.id not in refused]
 
     progress = Progress()
     start = time.monotonic()
@@ -137,12 +136,12 @@ def grade(args) -> int:
     progress.close()
     scores = report.score_tasks(tasks, results, problems)
     for s in scores:
-        if s.task.assignment in refused:
-            s.reason = refused[s.task.assignment].splitlines()[0]
+        if s.task.id in refused:
+            s.reason = refused[s.task.id].splitlines()[0]
     print(report.table(scores))
     for p in problems:
         print(f"\nproblem: {p}")
-    res, junit = report.write_results(scores, Path(args.out), problems + list(refused.values()))
+    res, junit = report.write_results(scores, Path(args.out), problems + list(dict.fromkeys(refused.values())))
     print(f"\n{time.monotonic() - start:.0f} s; wrote {res} and {junit}")
     return 0
 

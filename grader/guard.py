@@ -150,3 +150,76 @@ def refusal(a: Assignment, found: list[str]) -> str:
         f"An assignment must contain its own implementation, but\n  {lines}\n"
         "Remove these and use only point-to-point messages (c.exchange(...), tinytrain.distributed.p2p)."
     )
+
+
+# --- which tasks a refusal costs -------------------------------------------------------------------
+
+
+def _functions(tree: ast.Module) -> list[tuple[str, int, int]]:
+    """(qualified name, first line, last line) of every function, methods as Class.method."""
+    out = []
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    out.append((name, child.lineno, child.end_lineno or child.lineno))
+                visit(child, name + ".")
+
+    visit(tree, "")
+    return out
+
+
+def _innermost(functions, line: int) -> str | None:
+    inside = [(last - first, name) for name, first, last in functions if first <= line <= last]
+    return min(inside)[1] if inside else None
+
+
+def _tasks_by_function(a: Assignment, root: Path) -> dict[str, dict[str, set[str]]]:
+    """Assignment file -> {function qualname -> tasks whose solution regions it holds, "" -> all}."""
+    from .stubs import find_regions
+
+    out = {}
+    for reference, file in a.pairs:
+        text = (root / reference).read_text()
+        functions = _functions(ast.parse(text))
+        by_function: dict[str, set[str]] = {"": set()}
+        for region in find_regions(text, reference):
+            by_function[""].add(region.task)
+            name = _innermost(functions, region.begin + 1)
+            by_function.setdefault(name or "", set()).add(region.task)
+        out[file] = by_function
+    return out
+
+
+def refused_tasks(a: Assignment, root: Path = ROOT, path: Path | None = None) -> dict[str, list[str]]:
+    """Task id -> the problems that refuse it. A problem inside a function costs the tasks whose
+    solution regions that function holds; anything else (an import at the top, a function without a
+    task) costs every task of its file. Tasks not listed are graded."""
+    found = problems(a, root, path)
+    if not found:
+        return {}
+    path = path or root / a.file
+    tasks = _tasks_by_function(a, root)
+    every = {t.id for t in a.tasks}
+    out: dict[str, list[str]] = {}
+    for problem in found:
+        costs = every
+        shown, _, rest = problem.partition(":")
+        line = rest.partition(":")[0]
+        if len(a.files) == 1:
+            file = a.files[0]  # shown is the file's own name, whatever the copy is called
+        else:
+            file = next((f for f in a.files if f.endswith("/" + shown)), None)
+        if file is not None and line.isdigit():
+            own = path if len(a.files) == 1 else path / Path(file).relative_to(a.file)
+            try:
+                name = _innermost(_functions(ast.parse(own.read_text())), int(line))
+            except (OSError, SyntaxError):
+                name = None
+            by_function = tasks[file]
+            costs = by_function.get(name or "", set()) or by_function[""]
+        for task in costs:
+            out.setdefault(task, []).append(problem)
+    return out

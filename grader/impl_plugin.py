@@ -90,9 +90,10 @@ class Impl:
     """The implementations a graded test runs against: ``impl.collectives`` is a module."""
 
     _cache: ClassVar[dict[tuple[str, str], object]] = {}
+    _refused: ClassVar[dict[tuple[str, str], dict[str, list[str]]]] = {}
 
-    def __init__(self, kind: str, assignments_dir: str | None):
-        self.kind, self._dir = kind, assignments_dir
+    def __init__(self, kind: str, assignments_dir: str | None, task: str | None = None):
+        self.kind, self._dir, self._task = kind, assignments_dir, task
 
     def __repr__(self) -> str:
         return f"<impl {self.kind}>"
@@ -102,9 +103,22 @@ class Impl:
             raise AttributeError(name)
         a = _rubric.by_name(name)
         key = (self.kind, self._dir or "")
+        if self.kind != "reference":
+            self._refuse(a, key)
         if (key, name) not in self._cache:
             self._cache[(key, name)] = self._load(a)
         return self._cache[(key, name)]
+
+    def _refuse(self, a, key) -> None:
+        """Fail this test if the assignment borrows the solution in code its task needs (a problem
+        in another task's function costs only that task; see guard.refused_tasks)."""
+        path = Path(self._dir) / Path(a.file).name if self._dir else ROOT / a.file
+        if (key, a.name) not in self._refused:
+            self._refused[(key, a.name)] = guard.refused_tasks(a, path=path) if path.exists() else {}
+        refused = self._refused[(key, a.name)]
+        mine = refused.get(self._task) if self._task else sorted({p for ps in refused.values() for p in ps})
+        if mine:
+            pytest.fail(guard.refusal(a, mine), pytrace=False)
 
     def _load(self, a):
         if self.kind == "reference":
@@ -112,9 +126,6 @@ class Impl:
         path = Path(self._dir) / Path(a.file).name if self._dir else ROOT / a.file
         if not path.exists():
             pytest.fail(f"{path} does not exist; run `python -m grader stubs` to generate it", pytrace=False)
-        refused = guard.problems(a, path=path)
-        if refused:
-            pytest.fail(guard.refusal(a, refused), pytrace=False)
         if not self._dir:
             return importlib.import_module(a.module)
         if len(a.files) > 1:
@@ -149,7 +160,7 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture
 def impl(request):
-    return Impl(request.param, request.config.getoption("--assignments"))
+    return Impl(request.param, request.config.getoption("--assignments"), task_of(request.node))
 
 
 # --- selection: task markers, --tasks, reference tests in a release --------------------------------

@@ -121,6 +121,23 @@ def test_grader_refuses_an_assignment_that_imports_the_reference(tmp_path):
     assert all("refusing" in t["output"] for t in results["tests"]), results
 
 
+def test_a_refused_call_costs_only_the_task_whose_code_makes_it(tmp_path):
+    """MPI's own Bcast inside the broadcast (1.5): only 1.5 is refused, the other tasks are graded."""
+    text = assignment_text(A1, RUBRIC, solved=True)
+    text = text.replace(
+        "    kids = tree_children(v, n)\n", "    kids = tree_children(v, n)\n    c.group.comm.Bcast(flat)\n"
+    )
+    folder = tmp_path / "borrows"
+    folder.mkdir()
+    (folder / Path(A1.file).name).write_text(text)
+    assert sorted(guard.refused_tasks(A1, path=folder / Path(A1.file).name)) == ["1.5"]
+    results, out = grade(tmp_path, "--assignments", str(folder), "--tasks", "1.*")
+    rows = by_task(results)
+    assert results["score"] == 85 and rows["1.5"]["score"] == 0, out
+    assert "calls MPI's own collective .Bcast()" in rows["1.5"]["output"], rows["1.5"]["output"]
+    assert "grading 4 task(s)" in out, out
+
+
 @pytest.mark.parametrize(
     "line, words",
     [
