@@ -2,7 +2,7 @@
 
     python -m grader                         # grade assignments/ on 4 ranks, print the score table
     python -m grader --tasks 1.1 1.3         # only some tasks (globs: 1.*)
-    python -m grader --impl reference        # the reference must score full marks
+    python -m grader --impl reference        # the reference must score full marks (not in a student copy)
     python -m grader --out results/          # where results.json and junit.xml go (default: out/grader)
     python -m grader stubs [--check]         # regenerate assignments/ from the reference markers
     python -m grader release OUT             # a solution-free copy of the repository for students
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from . import guard, report
-from .config import ROOT, load_rubric
+from .config import ROOT, is_release, load_rubric
 from .run import RunOptions, harness_deadline, run_tests
 
 DEFAULT_OUT = ROOT / "out" / "grader"  # /out/ is in .gitignore: grading leaves the repository clean
@@ -34,12 +34,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ranks", type=int, default=4, help="MPI ranks to grade with (default 4)")
     p.add_argument("--tasks", nargs="+", metavar="PATTERN", help="tasks to grade, e.g. 1.* or 1.2 1.3 (default: all)")
-    p.add_argument(
-        "--impl",
-        choices=("assignments", "reference"),
-        default="assignments",
-        help="grade your assignment files (default) or the reference solution",
-    )
+    if not is_release():  # a student copy has no reference solution to grade
+        p.add_argument(
+            "--impl",
+            choices=("assignments", "reference"),
+            default="assignments",
+            help="grade your assignment files (default) or the reference solution",
+        )
     p.add_argument("--assignments", metavar="DIR", help="grade the assignment files in DIR instead of assignments/")
     p.add_argument(
         "--out",
@@ -109,6 +110,7 @@ def grade(args) -> int:
         return 2
     problems, runnable = [], []
     refused: dict[str, str] = {}  # task id -> why it is not graded
+    args.impl = getattr(args, "impl", "assignments")
     if args.impl == "assignments":
         for a in {t.assignment for t in tasks}:
             path = Path(args.assignments) / Path(rubric.assignments[a].file).name if args.assignments else None

@@ -173,5 +173,11 @@ def load_rubric(path: Path = RUBRIC) -> Rubric:
     return Rubric(assignments, tasks)
 
 
+def release_skips(path: Path = RUBRIC) -> dict[str, str]:
+    """Test id prefix -> why a student copy skips it (``[release.skip]`` of the rubric)."""
+    with open(path, "rb") as f:
+        return dict(tomllib.load(f).get("release", {}).get("skip", {}))
+
+
 def is_release() -> bool:
     return RELEASE_MARKER.exists()

@@ -41,7 +41,7 @@ from typing import ClassVar
 import pytest
 
 from . import guard, seeds
-from .config import ROOT, is_release, load_rubric
+from .config import ROOT, is_release, load_rubric, release_skips
 
 _rubric = load_rubric()
 
@@ -50,9 +50,9 @@ def pytest_addoption(parser):
     g = parser.getgroup("tinytrain grader")
     g.addoption(
         "--impl",
-        choices=("reference", "assignments", "all"),
+        choices=("assignments",) if is_release() else ("reference", "assignments", "all"),
         default=None,
-        help="code graded tests run against (default: all; assignments in a student release)",
+        help="code graded tests run against (default: all; a student copy has only assignments)",
     )
     g.addoption(
         "--assignments",
@@ -183,7 +183,11 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
     if is_release():
         removed = {p: a for a in _rubric.assignments.values() for p in a.reference_tests}
+        skips = release_skips()
         for item in items:
+            reason = next((why for prefix, why in skips.items() if item.nodeid.startswith(prefix)), None)
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=f"student copy: this test {reason}"))
             for prefix, a in removed.items():
                 if item.nodeid.startswith(prefix):
                     item.add_marker(

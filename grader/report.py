@@ -81,7 +81,8 @@ def table(scores: list[TaskScore], width: int = 100) -> str:
     rows = [f"{'task':<5} {'title':<48} {'points':>9}  result"]
     for s in scores:
         pts = f"{s.score:g}/{s.task.points:g}"
-        rows.append(f"{s.task.id:<5} {s.task.title[:48]:<48} {pts:>9}  {s.status}")
+        title = textwrap.shorten(s.task.title, 48, placeholder="...")  # whole words
+        rows.append(f"{s.task.id:<5} {title:<48} {pts:>9}  {s.status}")
         if s.reason:
             rows += textwrap.wrap(
                 s.reason, width, initial_indent=" " * 6, subsequent_indent=" " * 8, max_lines=4, break_on_hyphens=False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -84,3 +85,37 @@ def test_release_suite_passes_with_stand_ins_and_todo_stubs(release):
     results = json.loads((release / "out" / "results.json").read_text())
     assert grade.returncode == 0 and results["score"] == 0, grade.stdout + grade.stderr
     assert all(t["output"].startswith("TODO") for t in results["tests"]), results
+
+
+def test_release_with_assignment_1_done_is_green_and_its_handout_commands_work(release, tmp_path):
+    """Fill in assignment 1 from the reference solutions: the copy's tests that touch it stay green,
+    the grader gives full marks (results in the ignored out/grader), and the handout's bench runs."""
+    from grader.stubs import assignment_text
+
+    a1 = RUBRIC.assignments["1"]
+    done = tmp_path / "done"
+    shutil.copytree(release, done)
+    (done / a1.file).write_text(assignment_text(a1, RUBRIC, solved=True))
+    env = mpi_environment()
+
+    def run(*cmd, timeout=600):
+        proc = subprocess.run(list(cmd), cwd=done, env=env, capture_output=True, text=True, timeout=timeout)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    code, out = run(
+        "mpirun", "-n", "4", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        "tests/graded/test_a1_collectives.py", "tests/distributed/test_bench.py",
+        "tests/distributed/test_collectives.py",
+    )  # fmt: skip
+    assert code == 0, out[-6000:]
+    assert "student copy: this test expects the TODO stubs" in out or "skipped" in out, out[-3000:]
+    code, out = run(sys.executable, "-m", "grader", "--tasks", "1.*")
+    results = json.loads((done / "out" / "grader" / "results.json").read_text())
+    assert code == 0 and results["score"] == results["max_score"] == 100, out
+    code, out = run(sys.executable, "-m", "grader", "--impl", "reference")
+    assert code == 2 and "--impl" in out, out  # a student copy has no reference to grade
+    code, out = run(
+        "mpirun", "-n", "4", sys.executable, "-m", "tinytrain.cli", "bench", "collectives", "--impl", "assignments",
+        "--algo", "ring", "--sizes", "64K", "--rounds", "1",
+    )  # fmt: skip
+    assert code == 0 and "TODO" not in out, out[-3000:]
