@@ -204,3 +204,30 @@ def test_calibrated_planner_predicts_a_data_parallel_step_within_a_factor(tmp_pa
 def one_step_seconds() -> float:
     _, seconds = planner.measure_step(Plan(dp=dist.get_world_size()), GPTConfig(**CONFIG), batch_size=8)
     return seconds
+
+
+@pytest.mark.world_size(2)
+def test_a_traced_training_run_keeps_its_communication_matrix(tmp_path):
+    """`tinytrain train --dp 2 --trace`: the trace ends with each rank's per-peer counters; what they
+    grew by during the run is its matrix: every step one ring all-reduce of the gradients (on 2
+    ranks each sends 4Ψ bytes) and the 8-byte loss average, to the other rank only."""
+    import json
+
+    from tinytrain import cli
+
+    r, steps = dist.get_rank(), 3
+    before = comm_matrix(dist.totals(), op="all_reduce", group="dp")  # what earlier tests counted
+    tmp_path = type(tmp_path)(dist.world().comm.bcast(str(tmp_path)))  # rank 0's: the ranks save one checkpoint
+    path = tmp_path / "trace.json"
+    argv = "train --dp 2 --layers 2 --width 32 --heads 2 --batch-size 8 --steps 3 --eval-every 100 --quiet --no-plot"
+    assert cli.main([*argv.split(), "--out", str(tmp_path / "run"), "--trace", str(path)]) == 0
+    counted = comm_matrix(dist.totals(), op="all_reduce", group="dp")
+    if r != 0:
+        return
+    spans = trace.read_chrome(str(path))
+    run = viz.comm_matrix_from_trace(spans, op="all_reduce", group="dp") - before
+    config = json.loads((tmp_path / "run" / "ckpt" / "manifest.json").read_text())["model_config"]
+    psi = sum(p.size for p in GPT(GPTConfig(**config)).parameters())
+    assert run[0, 1] == run[1, 0] == steps * (4 * psi + 8), run
+    assert run[0, 0] == run[1, 1] == 0
+    assert (counted - before >= run).all()  # the trace's counters are taken before the merge sends
