@@ -1,0 +1,50 @@
+"""``assignments.use.use_assignments``: the mechanism behind ``tinytrain train --impl assignments``."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from grader.config import ROOT
+from grader.run import mpi_environment
+
+pytestmark = pytest.mark.deadline(300)
+
+SCRIPT = """
+import sys
+from assignments.use import use_assignments
+from tinytrain.cli import main
+
+use_assignments()
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_swapped_in_code_is_what_the_cli_runs_so_a_stub_stops_the_run_at_its_todo(tmp_path):
+    script = tmp_path / "run_mine.py"
+    script.write_text(SCRIPT)
+    cmd = [shutil.which("mpirun") or "mpirun", "-n", "2", sys.executable, str(script), "train", "--pp", "2"]
+    cmd += ["--layers", "2", "--width", "16", "--steps", "1", "--quiet", "--no-plot", "--out", str(tmp_path / "o")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_environment(), capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    # The checked-in assignments are stubs: the run reaches the student's pipeline code and stops
+    # at its first TODO (the reference pipeline would have trained).
+    assert proc.returncode != 0 and "TODO 5." in out, out[-3000:]
+
+
+def test_every_assignment_function_replaces_the_references_everywhere():
+    code = """
+import tinytrain.parallel.pipeline as pl
+from assignments.use import use_assignments
+import assignments.a5_pipeline as a5
+import assignments.a1_collectives as a1
+import tinytrain.distributed.algorithms as alg
+swapped = use_assignments()
+assert pl.make_schedule is a5.make_schedule and pl.gpipe is a5.gpipe
+assert alg._ring_reduce_scatter is a1._ring_reduce_scatter
+assert "tinytrain.parallel.data_parallel.BucketedDDP" in swapped
+print("ok", len(swapped))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr
