@@ -80,17 +80,9 @@ def test_all_gather_with_a_wrong_row_count_names_the_step(no_debug):
 
 @pytest.mark.world_size(2)
 def test_bench_collectives_reports_the_cost_of_the_receive_check(capsys):
-    args = argparse.Namespace(
-        sizes=["4K"],
-        collectives=["all_reduce"],
-        algo="ring",
-        rounds=1,
-        json=None,
-        overlap=False,
-        impl="reference",
-        device=False,
-        receive_check=True,
-    )
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args("--sizes 4K --collectives all_reduce --algo ring --rounds 1 --receive-check".split())
     assert bench.run(args) == 0
     if dist.get_rank() == 0:
         out = capsys.readouterr().out

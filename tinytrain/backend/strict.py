@@ -164,13 +164,7 @@ class ndarray(NDArrayOperatorsMixin):  # noqa: N801 - named like cupy.ndarray, w
         return _wrap(result)
 
     def __array_function__(self, func, types, args, kwargs):
-        where = f"numpy.{func.__name__}"
-        out = kwargs.get("out")
-        result = func(*_unwrap(args, where), **_unwrap(kwargs, where))
-        if isinstance(out, ndarray):
-            _written(out._a)
-            return out
-        return _wrap(result)
+        return _call(func, f"numpy.{func.__name__}", args, kwargs)
 
     # attributes and methods: NumPy's, on the wrapped array, results wrapped
     def __getattr__(self, name):
@@ -268,15 +262,19 @@ def _index(key):
 # --- the module: numpy's functions over strict arrays ------------------------------------------------
 
 
+def _call(fn, where: str, args, kwargs):
+    """``fn`` (a NumPy function) on the arrays inside strict ones; results (or ``out=``) strict."""
+    out = kwargs.get("out")
+    result = fn(*_unwrap(args, where), **_unwrap(kwargs, where))
+    if isinstance(out, ndarray):
+        _written(out._a)
+        return out
+    return _wrap(result)
+
+
 def _device_function(fn, name: str):
     def call(*args, **kwargs):
-        where = f"xp.{name}"
-        out = kwargs.get("out")
-        result = fn(*_unwrap(args, where), **_unwrap(kwargs, where))
-        if isinstance(out, ndarray):
-            _written(out._a)
-            return out
-        return _wrap(result)
+        return _call(fn, f"xp.{name}", args, kwargs)
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = f"``numpy.{name}`` on strict device arrays."
