@@ -16,7 +16,7 @@ from tinytrain.backend import index_add, to_host, xp
 
 def import_backend(device):
     env = dict(os.environ, TINYTRAIN_DEVICE=device)
-    code = "import tinytrain.backend as b; print('DEVICE', b.device, b.xp.__name__)"
+    code = "import tinytrain.backend as b; print('DEVICE', b.device, b.xp.__name__); print('WHY', b.device_reason)"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
@@ -24,13 +24,19 @@ def test_bogus_device_is_a_clear_error():
     r = import_backend("bogus")
     assert r.returncode != 0
     assert "BackendError" in r.stderr
-    assert "TINYTRAIN_DEVICE='bogus' is not one of cpu, gpu, auto" in r.stderr
+    assert "TINYTRAIN_DEVICE='bogus' is not one of cpu, gpu, auto, strict" in r.stderr
 
 
 def test_cpu_device_uses_numpy():
     r = import_backend(" CPU ")  # case and spaces do not matter
     assert r.returncode == 0, r.stderr
-    assert "DEVICE cpu numpy" in r.stdout
+    assert "DEVICE cpu numpy" in r.stdout and "WHY TINYTRAIN_DEVICE=cpu" in r.stdout
+
+
+def test_strict_device_is_the_cupy_stand_in():
+    r = import_backend("strict")
+    assert r.returncode == 0, r.stderr
+    assert "DEVICE strict tinytrain.backend.strict.xp" in r.stdout and "the strict stand-in for CuPy" in r.stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
@@ -46,6 +52,7 @@ def test_auto_without_cupy_falls_back_to_the_cpu():
     r = import_backend("auto")
     assert r.returncode == 0, r.stderr
     assert "DEVICE cpu numpy" in r.stdout
+    assert "WHY TINYTRAIN_DEVICE=auto (the default) and no usable GPU (ModuleNotFoundError" in r.stdout
 
 
 def test_to_host_gives_numpy_with_the_same_values():
