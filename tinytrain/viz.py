@@ -13,6 +13,18 @@ import matplotlib.pyplot as plt
 import numpy
 
 
+def _finish(fig, path=None, title: str | None = None):
+    """Lay out ``fig`` (with a ``title`` over all panels); write it to ``path`` and close it, or
+    return it open (a notebook shows it)."""
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path)
+        plt.close(fig)
+    return fig
+
+
 def plot_loss_curve(metrics: dict, path, title: str | None = None) -> None:
     """Training loss per step (and validation loss where measured) from a ``metrics.json`` dict."""
     steps = metrics["steps"]
@@ -194,11 +206,7 @@ def compare_pipelines(
         plot_pipeline(
             events, ax=ax, title=name, formula=formulas[i] if formulas else None, unit_ms=bool(units_ms and units_ms[i])
         )
-    fig.tight_layout()
-    if path:
-        fig.savefig(path)
-        plt.close(fig)
-    return fig
+    return _finish(fig, path)
 
 
 def plot_activation_memory(series: dict, path=None, title: str = "activation memory per stage"):
@@ -212,11 +220,7 @@ def plot_activation_memory(series: dict, path=None, title: str = "activation mem
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title)
-    fig.tight_layout()
-    if path:
-        fig.savefig(path)
-        plt.close(fig)
-    return fig
+    return _finish(fig, path)
 
 
 _SPAN_COLORS = {"compute": "#4c72b0", "idle": "#b0b0b0", "comm": "#dd8452", "comm step": "#8c3b0c"}
@@ -317,13 +321,7 @@ def plot_comm_matrices(named: dict, path=None, title: str | None = None):
         ax.set_xlabel("to rank")
         ax.set_ylabel("from rank")
         ax.set_title(f"{name}\n{_bytes_label(matrix.sum())} in all", fontsize=9)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    if path:
-        fig.savefig(path)
-        plt.close(fig)
-    return fig
+    return _finish(fig, path, title)
 
 
 # The messages of one traced collective: each comm.step span names its step ("ring reduce-scatter
@@ -388,13 +386,7 @@ def plot_exchange_steps(rows: list, n: int, path=None, title: str | None = None)
         ax.set_aspect("equal")
         ax.axis("off")
         ax.set_title(f"step {step + 1}\n{here[0]['phase']}", fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    if path:
-        fig.savefig(path)
-        plt.close(fig)
-    return fig
+    return _finish(fig, path, title)
 
 
 def plot_bytes_vs_formula(names: list, measured: list, formula: list, path=None, unit: str = "bytes per step"):
@@ -409,11 +401,7 @@ def plot_bytes_vs_formula(names: list, measured: list, formula: list, path=None,
     ax.set_xticklabels(names, fontsize=8)
     ax.set_ylabel(unit)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    if path:
-        fig.savefig(path)
-        plt.close(fig)
-    return fig
+    return _finish(fig, path)
 
 
 def plot_latency_model(rows: list, model, crossovers: dict | None = None, path=None, title: str | None = None):
@@ -438,8 +426,4 @@ def plot_latency_model(rows: list, model, crossovers: dict | None = None, path=N
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     ax.set_title(title or "latency vs size: measured and the α-β model")
-    fig.tight_layout()
-    if path:
-        fig.savefig(path)
-        plt.close(fig)
-    return fig
+    return _finish(fig, path)
