@@ -16,7 +16,7 @@ from grader.seeds import grading_seed
 from tinytrain import distributed as dist
 from tinytrain import functional as F
 from tinytrain import random as _random
-from tinytrain.autograd import Tensor
+from tinytrain.autograd import Tensor, saved_bytes
 from tinytrain.backend import to_host, xp
 from tinytrain.nn import GPT, GPTConfig
 from tinytrain.nn.layers import Embedding, Linear
@@ -335,9 +335,24 @@ def test_sequence_parallel_block_sends_the_all_reduce_bytes_as_gather_and_reduce
     what = f"x {x.shape} (seed {seed})"
     want = model.blocks[0](leaf(x))
     xs = leaf(piece(x, 1, t, r))
+    saved = saved_bytes()
     with dist.comm_stats() as fwd:
         y = block(xs)
+    saved = saved_bytes() - saved
     close(y, piece(want.data, 1, t, r), f"my sequence shard of the block's output, {what}")
+    # SP's point: the LayerNorms (and dropouts) between the parallel regions keep only this rank's
+    # sequence shard for backward, where plain TP keeps the whole sequence: at least two (B, T, C)
+    # activations shrink by (t-1)/t. Measured by autograd's saved-bytes counter, TP block alongside.
+    plain = tp.ParallelBlock(build().blocks[0], g, "blocks.0", sequence_parallel=False)
+    saved_tp = saved_bytes()
+    y_tp = plain(leaf(x))
+    saved_tp = saved_bytes() - saved_tp
+    del y_tp
+    want_saving = 2 * x.nbytes * (t - 1) // t
+    assert saved_tp - saved >= want_saving, (
+        f"{what}: a sequence-parallel block saved {saved} bytes for backward, plain TP {saved_tp}; SP must save at "
+        f"least {want_saving} fewer (the two LayerNorms' inputs are sequence shards, not the whole sequence)"
+    )
     with dist.comm_stats() as bwd:
         y.sum().backward()
     for label, s in (("forward", fwd), ("backward", bwd)):
