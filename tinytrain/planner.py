@@ -14,8 +14,11 @@ recomputation) it computes, with the formulas of ``tinytrain/parallel/costs.py``
 
 The mesh is tinytrain's: TP innermost (neighbouring GPUs), then CP, PP, DP outermost; a group whose
 ranks lie within ``gpus_per_node`` consecutive GPUs talks over the intra-node link, otherwise over
-the inter-node one. What is not modelled: the optimizer step's time, the logits' memory, overlap of
-TP or PP messages with compute, interleaved schedules, expert parallel (no mixture-of-experts preset).
+the inter-node one. A mixture of experts (``--experts``) adds EP: each EP rank holds 1/ep of the
+experts and takes its own rows; per MoE layer and pass two all-to-alls (dispatch, combine) of its
+tokens × top-k, padded to the capacity factor, which also scales the busiest rank's expert compute
+(the imbalance). What is not modelled: the optimizer step's time, the logits' memory, a MoE layer's
+extra activations, overlap of TP, EP or PP messages with compute, interleaved schedules.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from tinytrain.parallel.costs import (
     collective_bytes,
     collective_time,
     data_parallel_volume,
+    expert_parallel_volume,
     gpt_flops,
     gpt_parameters,
+    mlp_parameters,
     tensor_parallel_volume,
     zero_memory,
 )
@@ -55,10 +60,17 @@ class ModelSpec:
     batch: int
     tied: bool = True
     bias: bool = True
+    experts: int = 0  # > 0: every MLP is a mixture of this many experts
+    top_k: int = 1  # experts each token runs
+    capacity_factor: float = 1.25  # the busiest expert-parallel rank's work over the even share
 
     @property
     def parameters(self) -> int:
-        return gpt_parameters(self.layers, self.hidden, self.vocab, self.seq, self.bias, self.tied)
+        return gpt_parameters(self.layers, self.hidden, self.vocab, self.seq, self.bias, self.tied, self.experts)
+
+    @property
+    def expert_parameters(self) -> int:
+        return self.layers * self.experts * mlp_parameters(self.hidden, self.bias)
 
 
 # Shapes from the papers; a LLaMA's SwiGLU MLP and grouped-query attention are counted as a GPT's
@@ -69,6 +81,10 @@ PRESETS = {
     "llama2-7b": ModelSpec(layers=32, hidden=4096, heads=32, vocab=32000, seq=4096, batch=1024, tied=False, bias=False),
     "llama2-70b": ModelSpec(
         layers=80, hidden=8192, heads=64, vocab=32000, seq=4096, batch=1024, tied=False, bias=False
+    ),
+    # a Mixtral-8x7B shape, its SwiGLU experts counted as 8h² MLPs (37B parameters here, 47B in the paper)
+    "mixtral-8x7b": ModelSpec(
+        layers=32, hidden=4096, heads=32, vocab=32000, seq=4096, batch=1024, tied=False, bias=False, experts=8, top_k=2
     ),
     # tinytrain's own defaults (GPTConfig() and `tinytrain train`'s batch)
     "tinytrain": ModelSpec(layers=4, hidden=128, heads=4, vocab=32, seq=32, batch=8),
@@ -111,9 +127,15 @@ class Layout:
     zero: int = 0
     microbatch: int = 1  # sequences per micro-batch
     recompute: bool = False
+    ep: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp * self.ep
 
     def flags(self) -> str:
-        parts = [f"--{k} {v}" for k, v in (("dp", self.dp), ("pp", self.pp), ("cp", self.cp), ("tp", self.tp)) if v > 1]
+        sizes = (("dp", self.dp), ("pp", self.pp), ("ep", self.ep), ("cp", self.cp), ("tp", self.tp))
+        parts = [f"--{k} {v}" for k, v in sizes if v > 1]
         parts += ["--sp"] if self.sp else []
         parts += [f"--zero {self.zero}"] if self.zero else []
         parts += [f"(micro-batch {self.microbatch}{', recompute' if self.recompute else ''})"]
@@ -126,12 +148,15 @@ ACTIVATION_BYTES = 2  # bf16 activations and gradients on the wire; fp32 master 
 def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
     """Memory per GPU (bytes) and step time (seconds), each with its parts; see the module docstring."""
     lo, cl = layout, cluster
-    world = lo.dp * lo.tp * lo.pp * lo.cp
-    m = model.batch // (lo.dp * lo.microbatch)  # micro-batches per replica and step
+    world = lo.gpus
+    m = model.batch // (lo.dp * lo.ep * lo.microbatch)  # micro-batches per replica and step
     s = model.seq // lo.cp  # positions each context rank holds
-    per_gpu = model.parameters / (lo.tp * lo.pp)
-    data_group = lo.dp * lo.cp  # CP is data parallel for the weights
-    state = zero_memory(per_gpu, data_group, lo.zero)
+    # experts: 1/ep of them on each EP rank, averaged over DP (and CP); the rest over the whole data group
+    expert_gpu = model.expert_parameters / (lo.tp * lo.pp * lo.ep)
+    dense_gpu = (model.parameters - model.expert_parameters) / (lo.tp * lo.pp)
+    data_group = lo.dp * lo.ep * lo.cp  # CP and EP are data parallel for the dense weights
+    dense, experts = zero_memory(dense_gpu, data_group, lo.zero), zero_memory(expert_gpu, lo.dp * lo.cp, lo.zero)
+    state = {k: dense[k] + experts[k] for k in dense}
     layer_act = activation_bytes_per_layer(
         s, lo.microbatch, model.hidden, model.heads, lo.tp, lo.sp, lo.recompute, ACTIVATION_BYTES
     )
@@ -149,7 +174,10 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
 
     # --- one micro-batch on one stage -------------------------------------------------------------
     layers = model.layers / lo.pp
-    flops = gpt_flops(lo.microbatch, model.seq, model.layers, model.hidden, model.vocab, lo.recompute)
+    shape = (lo.microbatch, model.seq, model.layers, model.hidden, model.vocab, lo.recompute)
+    flops = gpt_flops(*shape, top_k=model.top_k if model.experts else 1)
+    if lo.ep > 1:  # the busiest EP rank's experts run capacity_factor times the even share of tokens
+        flops += (flops - gpt_flops(*shape, top_k=0)) * (model.capacity_factor - 1)
     compute = flops / (lo.tp * lo.pp * lo.cp) / (cl.peak_flops * cl.efficiency)
     activation = lo.microbatch * s * model.hidden * ACTIVATION_BYTES  # one (b, s/cp, h) tensor
     tp_link = cl.link(lo.tp)
@@ -161,24 +189,21 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
     # fwd cp-1 hops, bwd 2cp-1, each hidden behind one attention block: attention is s/(6h) of a layer's FLOPs
     attention = compute * attention_share(model.seq, model.layers, model.hidden, model.vocab)
     cp = max(0.0, layers * (3 * lo.cp - 2) * cp_send - attention)
+    ep_link = cl.link(lo.tp * lo.cp * lo.ep)
+    routed = activation / lo.tp * model.top_k * model.capacity_factor  # padded to the capacity
+    ep = layers * passes * 2 * collective_time("all_to_all", routed, lo.ep, *ep_link) if lo.ep > 1 else 0.0
     pp_link = cl.link(lo.tp * lo.cp * lo.pp)
     boundary = activation / (lo.tp if lo.sp else 1)
     pp = 2 * collective_time("send", boundary, 2, *pp_link) if lo.pp > 1 else 0.0
-    slot = compute + tp + cp + pp
+    slot = compute + tp + cp + ep + pp
     pipeline = (m + lo.pp - 1) * slot
     bubble = bubble_formula(lo.pp, m)
 
     # --- data parallel: gradients of this GPU's parameters over the data group ----------------------
     dp_link = cl.link(world)
-    grad_bytes = per_gpu * ACTIVATION_BYTES
-    if lo.zero == 3:
-        dp_time = collective_time("reduce_scatter", grad_bytes, data_group, *dp_link) + 2 * m * collective_time(
-            "all_gather", grad_bytes, data_group, *dp_link
-        )
-    elif lo.zero:
-        dp_time = 2 * collective_time("reduce_scatter", grad_bytes, data_group, *dp_link)
-    else:
-        dp_time = collective_time("all_reduce", grad_bytes, data_group, *dp_link)
+    dp_time = _gradient_sync(dense_gpu * ACTIVATION_BYTES, data_group, lo.zero, m, dp_link)
+    if expert_gpu:
+        dp_time += _gradient_sync(expert_gpu * ACTIVATION_BYTES, lo.dp * lo.cp, lo.zero, m, dp_link)
     backward = compute * (passes - 1) / passes  # backward (and the recomputed forward) of the last micro-batch
     dp_exposed = dp_time if lo.pp > 1 else max(0.0, dp_time - backward)
     step = pipeline + dp_exposed
@@ -186,10 +211,19 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
         "tensor_parallel": m * layers * tensor_parallel_volume(activation, lo.tp, passes),
         "context_parallel": m * layers * (3 * lo.cp - 2) * kv if lo.cp > 1 else 0.0,
         "pipeline": 2 * m * boundary if lo.pp > 1 else 0.0,
-        "data_parallel": data_parallel_volume(per_gpu, data_group, lo.zero) * ACTIVATION_BYTES,
+        "expert_parallel": m
+        * layers
+        * passes
+        * expert_parallel_volume(activation / lo.tp, lo.ep, model.top_k, model.capacity_factor),
+        "data_parallel": (
+            data_parallel_volume(dense_gpu, data_group, lo.zero)
+            + data_parallel_volume(expert_gpu, lo.dp * lo.cp, lo.zero)
+        )
+        * ACTIVATION_BYTES,
     }
-    model_flops = gpt_flops(model.batch, model.seq, model.layers, model.hidden, model.vocab)
-    hardware_flops = gpt_flops(model.batch, model.seq, model.layers, model.hidden, model.vocab, lo.recompute)
+    whole = (model.batch, model.seq, model.layers, model.hidden, model.vocab)
+    k = model.top_k if model.experts else 1
+    model_flops, hardware_flops = gpt_flops(*whole, top_k=k), gpt_flops(*whole, lo.recompute, top_k=k)
     return {
         "layout": asdict(lo),
         "flags": lo.flags(),
@@ -201,6 +235,7 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
             "compute": m * compute,
             "tensor_parallel": m * tp,
             "context_parallel": m * cp,
+            "expert_parallel": m * ep,
             "pipeline_messages": m * pp,
             "bubble": (lo.pp - 1) * slot,
             "bubble_share": bubble,
@@ -209,10 +244,27 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
             "step": step,
         },
         "bytes_sent": sent,
-        "links": {"tp": _name(cl, lo.tp), "pp": _name(cl, lo.tp * lo.cp * lo.pp), "dp": _name(cl, world)},
+        "links": {
+            "tp": _name(cl, lo.tp),
+            "ep": _name(cl, lo.tp * lo.cp * lo.ep),
+            "pp": _name(cl, lo.tp * lo.cp * lo.pp),
+            "dp": _name(cl, world),
+        },
         "mfu": model_flops / (world * cl.peak_flops * step),
         "hfu": hardware_flops / (world * cl.peak_flops * step),
     }
+
+
+def _gradient_sync(nbytes: float, n: int, zero: int, microbatches: int, link) -> float:
+    """Seconds to sync ``nbytes`` of gradients over ``n`` ranks: one all-reduce (DDP), a
+    reduce-scatter + an all-gather (ZeRO-1/2), or ZeRO-3's reduce-scatter and two all-gathers of
+    the parameters per micro-batch."""
+    if zero == 3:
+        gather = collective_time("all_gather", nbytes, n, *link)
+        return collective_time("reduce_scatter", nbytes, n, *link) + 2 * microbatches * gather
+    if zero:
+        return 2 * collective_time("reduce_scatter", nbytes, n, *link)
+    return collective_time("all_reduce", nbytes, n, *link)
 
 
 def _name(cluster: Cluster, span: int) -> str:
@@ -223,29 +275,31 @@ def _powers_of_two(limit: int) -> list[int]:
     return [1 << k for k in range(limit.bit_length()) if (1 << k) <= limit]
 
 
-OPTIONAL = ("cp", "sp", "zero", "recompute")  # strategies `--without` can leave out
+OPTIONAL = ("cp", "ep", "sp", "zero", "recompute")  # strategies `--without` can leave out
 
 
 def layouts(model: ModelSpec, gpus: int, microbatches=(1, 2, 4, 8), without=()):
     """Every layout of ``gpus`` GPUs the planner considers: tp a power of two dividing the heads, pp
-    dividing the layers, cp cutting the sequence into 2·cp zigzag chunks, ZeRO 2 and 3 only without
-    a pipeline (they would sync once per micro-batch), SP only with TP; ``without`` leaves out any
-    of ``OPTIONAL`` (e.g. a paper's search space: ``("cp", "sp", "zero")``)."""
+    dividing the layers, cp cutting the sequence into 2·cp zigzag chunks, ep dividing the experts
+    (a mixture of experts only), ZeRO 2 and 3 only without a pipeline (they would sync once per
+    micro-batch), SP only with TP; ``without`` leaves out any of ``OPTIONAL`` (e.g. a paper's
+    search space: ``("cp", "sp", "zero")``)."""
     cps = [1] if "cp" in without else _powers_of_two(16)
+    eps = [e for e in _powers_of_two(model.experts) if model.experts % e == 0] if "ep" not in without else [1]
     zeros = [0] if "zero" in without else range(4)
     sps = [False] if "sp" in without else (False, True)
     recomputes = [False] if "recompute" in without else (False, True)
-    for tp, cp in itertools.product(_powers_of_two(model.heads), cps):
-        if model.heads % tp or model.seq % (2 * cp) or gpus % (tp * cp):
+    for tp, cp, ep in itertools.product(_powers_of_two(model.heads), cps, eps or [1]):
+        if model.heads % tp or model.seq % (2 * cp) or gpus % (tp * cp * ep):
             continue
         for pp in range(1, model.layers + 1):
-            if model.layers % pp or gpus % (tp * cp * pp):
+            if model.layers % pp or gpus % (tp * cp * ep * pp):
                 continue
-            dp = gpus // (tp * cp * pp)
+            dp = gpus // (tp * cp * ep * pp)
             for zero, sp, b, recompute in itertools.product(zeros, sps, microbatches, recomputes):
-                if (zero > 1 and pp > 1) or (sp and tp == 1) or model.batch % (dp * b):
+                if (zero > 1 and pp > 1) or (sp and tp == 1) or model.batch % (dp * ep * b):
                     continue
-                yield Layout(dp, tp, pp, cp, sp, zero, b, recompute)
+                yield Layout(dp, tp, pp, cp, sp, zero, b, recompute, ep)
 
 
 def plan(model: ModelSpec, cluster: Cluster, without=()) -> list[dict]:
@@ -278,6 +332,8 @@ def best(rows: list[dict], **where) -> dict | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gpt3-175b", help=f"a preset: {', '.join(PRESETS)}")
     for name, what in (
+        ("experts", "experts per MoE layer (0: dense)"),
+        ("top_k", "experts each token runs"),
         ("layers", "transformer blocks"),
         ("hidden", "width"),
         ("heads", "attention heads"),
@@ -285,7 +341,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("seq", "sequence length"),
         ("batch", "global batch in sequences"),
     ):
-        parser.add_argument(f"--{name}", type=int, default=None, help=f"{what} (overrides the preset)")
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=None, help=f"{what} (overrides the preset)"
+        )
+    parser.add_argument(
+        "--capacity-factor", type=float, default=None, help="the busiest EP rank's tokens over the even share"
+    )
     c = Cluster()
     parser.add_argument("--nodes", type=int, default=c.nodes)
     parser.add_argument("--gpus-per-node", type=int, default=c.gpus_per_node)
@@ -306,11 +367,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_args(args) -> tuple[ModelSpec, Cluster]:
     if args.model not in PRESETS:
         raise ValueError(f"--model {args.model} is not a preset; choose one of {', '.join(PRESETS)}")
-    overrides = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq", "batch")}
+    overrides = {
+        k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq", "batch", "experts", "top_k")
+    }
+    overrides["capacity_factor"] = args.capacity_factor
     model = replace(PRESETS[args.model], **{k: v for k, v in overrides.items() if v is not None})
     for k, v in asdict(model).items():
-        if isinstance(v, int) and not isinstance(v, bool) and v < 1:
-            raise ValueError(f"--{k} must be at least 1, got {v}")
+        if isinstance(v, int) and not isinstance(v, bool) and v < (0 if k == "experts" else 1):
+            raise ValueError(f"--{k.replace('_', '-')} must be at least {0 if k == 'experts' else 1}, got {v}")
+    if model.experts and model.top_k > model.experts:
+        raise ValueError(f"--top-k {model.top_k} is more than --experts {model.experts}")
+    if model.capacity_factor < 1:
+        raise ValueError(f"--capacity-factor must be at least 1, got {model.capacity_factor}")
     if model.hidden % model.heads:
         raise ValueError(f"--hidden {model.hidden} does not split into --heads {model.heads}")
     positive = ("nodes", "gpus_per_node", "memory_gb", "peak_tflops", "efficiency", "intra_gbps", "inter_gbps")
@@ -336,7 +404,9 @@ def _row(r: dict) -> str:
     return (
         f"{r['flags']:<52} {mem['total'] / GB:6.1f} GB  step {t['step']:8.3f} s  {r['hfu']:5.1%} of peak  "
         f"(compute {t['compute']:.2f}, TP {t['tensor_parallel']:.2f} {r['links']['tp']}, "
-        f"bubble {t['bubble_share']:.0%}, PP {t['pipeline_messages']:.2f}, DP {t['data_parallel_exposed']:.2f})"
+        f"bubble {t['bubble_share']:.0%}, PP {t['pipeline_messages']:.2f}, DP {t['data_parallel_exposed']:.2f}"
+        + (f", EP {t['expert_parallel']:.2f} {r['links']['ep']}" if r["layout"]["ep"] > 1 else "")
+        + ")"
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -50,9 +51,11 @@ def test_collective_formulas_are_the_handouts():
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("tie", [True, False])
-def test_parameter_count_is_the_gpts(bias, tie):
-    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=3, n_head=2, n_embd=32, bias=bias, tie_weights=tie))
-    assert costs.gpt_parameters(3, 32, 16, 8, bias, tie) == sum(p.size for p in model.parameters())
+@pytest.mark.parametrize("experts", [0, 4])
+def test_parameter_count_is_the_gpts(bias, tie, experts):
+    config = GPTConfig(vocab_size=16, block_size=8, n_layer=3, n_head=2, n_embd=32, bias=bias, tie_weights=tie)
+    model = GPT(replace(config, n_experts=experts))
+    assert costs.gpt_parameters(3, 32, 16, 8, bias, tie, experts) == sum(p.size for p in model.parameters())
     assert round(planner.PRESETS["gpt3-175b"].parameters / 1e9) == 175
 
 
@@ -105,6 +108,8 @@ def test_plan_command_prints_layouts_and_json(capsys):
         (["--model", "gpt5"], "not a preset"),
         (["--nodes", "0"], "--nodes must be positive"),
         (["--hidden", "100", "--heads", "3"], "does not split"),
+        (["--model", "mixtral-8x7b", "--top-k", "9"], "--top-k 9 is more than --experts 8"),
+        (["--capacity-factor", "0.5"], "--capacity-factor must be at least 1"),
     ],
 )
 def test_plan_bad_input_says_what_to_change(capsys, argv, message):
@@ -134,3 +139,26 @@ def test_the_handouts_worked_example_is_what_the_planner_prints(capsys):
     assert f"{across['time']['step']:.3f} s" in doc and f"{across['time']['tensor_parallel']:.2f} s" in doc
     tp1 = planner.best(rows, tp=1)
     assert tp1["layout"]["pp"] == 48 and f"{tp1['time']['bubble_share']:.0%}" in doc
+
+
+def test_expert_parallel_pays_all_to_alls_and_imbalance():
+    """Mixture of experts: EP wins with perfectly even routing and loses to the imbalance a
+    capacity factor of 1.25 stands for (the busiest rank's experts run 1.25 x the even share)."""
+    model = planner.PRESETS["mixtral-8x7b"]
+    cluster = planner.Cluster(nodes=8)
+    even = planner.plan(replace(model, capacity_factor=1.0), cluster, without=("cp",))
+    assert even[0]["layout"]["ep"] > 1, even[0]["flags"]
+    uneven = planner.plan(model, cluster, without=("cp",))
+    assert uneven[0]["layout"]["ep"] == 1, uneven[0]["flags"]
+    layout = planner.Layout(dp=8, tp=2, ep=4)
+    one, padded = (planner.estimate(replace(model, capacity_factor=c), cluster, layout) for c in (1.0, 1.25))
+    shape = (1, model.seq, model.layers, model.hidden, model.vocab)
+    k, dense = costs.gpt_flops(*shape, top_k=model.top_k), costs.gpt_flops(*shape, top_k=0)
+    assert padded["time"]["compute"] / one["time"]["compute"] == pytest.approx((dense + 1.25 * (k - dense)) / k)
+    routed = model.seq * model.hidden * 2 / 2 * model.top_k  # one micro-batch's tokens x top-k, this TP rank's half
+    layers_passes = model.layers * 2  # every layer, forward and backward
+    assert one["bytes_sent"]["expert_parallel"] == pytest.approx(
+        one["microbatches"] * layers_passes * 2 * costs.collective_bytes("all_to_all", routed, 4)
+    )
+    # every GPU holds 1/ep of the experts
+    assert model.expert_parameters == model.layers * model.experts * costs.mlp_parameters(model.hidden, False)

@@ -41,6 +41,8 @@ __all__ = [
     "activation_bytes_per_layer",
     "gpt_parameters",
     "gpt_flops",
+    "mlp_parameters",
+    "expert_parallel_volume",
     "attention_share",
     "fit_alpha_beta",
     "crossover",
@@ -147,20 +149,36 @@ def activation_bytes_per_layer(
 # --- the GPT: parameters and FLOPs ---------------------------------------------------------------
 
 
-def gpt_parameters(l: int, h: int, V: int, s: int, bias: bool = True, tied: bool = True) -> int:  # noqa: E741
+def gpt_parameters(l: int, h: int, V: int, s: int, bias: bool = True, tied: bool = True, experts: int = 0) -> int:  # noqa: E741
     """Parameters of tinytrain's GPT (``nn/transformer.py``): per block 12h² weights (q, k, v, proj:
     4h²; the MLP: 8h²), two LayerNorms (2h, 4h with biases) and the linear layers' biases (9h);
-    token and position embeddings Vh + sh, the final LayerNorm (h or 2h), and an untied head Vh."""
+    token and position embeddings Vh + sh, the final LayerNorm (h or 2h), and an untied head Vh.
+    With ``experts`` (``nn/moe.py``) every block's MLP is that many MLPs and a gate (hE)."""
     norm = 2 * h if bias else h  # one LayerNorm: weight (and bias)
-    block = 12 * h * h + (9 * h if bias else 0) + 2 * norm
+    block = 4 * h * h + (4 * h if bias else 0) + 2 * norm + mlp_parameters(h, bias) * max(experts, 1)
+    block += h * experts  # the gate (no bias)
     return l * block + V * h + s * h + norm + (0 if tied else V * h)
 
 
-def gpt_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool = False) -> float:  # noqa: E741
+def mlp_parameters(h: int, bias: bool = True) -> int:
+    """One MLP (an expert): fc_1 h → 4h and fc_2 4h → h, 8h² weights (and 5h of biases)."""
+    return 8 * h * h + (5 * h if bias else 0)
+
+
+def gpt_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool = False, top_k: int = 1) -> float:  # noqa: E741
     """Floating-point operations of one step on B sequences (Narayanan et al. 2021, eq. 3):
     72·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) for forward + backward (the backward costs two forwards);
-    a recomputed forward adds a third: 96 instead of 72."""
-    return (96 if recompute else 72) * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    a recomputed forward adds a third: 96 instead of 72. Of the 1, 4/12 are the attention
+    projections and 8/12 the MLP, which a token routed to ``top_k`` experts runs top_k times."""
+    layer = (4 + 8 * top_k) / 12 + s / (6 * h) + V / (16 * l * h)
+    return (96 if recompute else 72) * B * s * l * h * h * layer
+
+
+def expert_parallel_volume(tokens_bytes: float, ep: int, top_k: int = 1, capacity_factor: float = 1.0) -> float:
+    """Bytes each rank sends per MoE layer and pass: an all-to-all to the experts (dispatch) and
+    one back (combine) of its tokens, each sent to ``top_k`` experts; with a capacity factor the
+    buffers are padded to ``capacity_factor`` times the even share (a6 handout, ``wire_bytes``)."""
+    return 2 * collective_bytes("all_to_all", tokens_bytes * top_k * capacity_factor, ep)
 
 
 def attention_share(s: int, l: int, h: int, V: int) -> float:  # noqa: E741
