@@ -367,3 +367,102 @@ def test_a_serial_run_writes_its_trace_too(tmp_path):
     from tinytrain import trace
 
     assert not trace.enabled  # on for that run only
+
+
+def test_every_output_is_written_with_one_mode_and_stale_temporaries_go(tmp_path):
+    """metrics.json, loss.png and every checkpoint file get the mode open() gives (0666 minus the
+    umask; the checkpoint was 0600); temporaries of a killed run are removed by the next save."""
+    train(tmp_path, "--steps", "2")
+    (tmp_path / "metrics.json.k1ll3d.tmp").write_text("half")
+    (tmp_path / "ckpt" / "manifest.json.k1ll3d.tmp").write_text("half")
+    train(tmp_path, "--steps", "3", "--resume")
+    assert not list(tmp_path.rglob("*.tmp"))
+    umask = os.umask(0)
+    os.umask(umask)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"metrics.json", "loss.png", "manifest.json", "rank-00000.npz", "rank-00000.json"}
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {oct(0o666 & ~umask)}
+
+
+@pytest.mark.parametrize(
+    "error",
+    [OSError(28, "No space left on device"), PermissionError(13, "Permission denied")],
+    ids=["disk-full", "read-only"],
+)
+def test_a_failed_save_is_one_sentence_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys, error):
+    train(tmp_path, "--steps", "2")
+    before = final_params(tmp_path)
+
+    def fails(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(checkpoint.tempfile, "mkstemp", fails)  # every file of the save is made by mkstemp
+    with pytest.raises(SystemExit) as exc:
+        train(tmp_path, "--steps", "4", "--resume")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"could not save the checkpoint of step 4 in {tmp_path / 'ckpt'} ({error.strerror})" in err
+    assert "the previous checkpoint there is kept" in err
+    monkeypatch.undo()
+    reader = checkpoint.Reader(tmp_path / "ckpt")
+    assert reader.meta["step"] == 2
+    for name, value in before.items():
+        numpy.testing.assert_array_equal(reader.read(name), value)
+
+
+def test_a_relative_trace_goes_under_out(tmp_path):
+    train(tmp_path / "run", "--steps", "2", "--no-plot", "--trace", "t.json")
+    assert json.loads((tmp_path / "run" / "t.json").read_text())["traceEvents"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["train", "--out", "{tmp}/file"], "--out .*/file is a file; give a folder"),
+        (["sample", "--tokens", "0"], "--tokens must be positive, got 0"),
+        (["sample", "--temperature", "nan"], "--temperature must be 0 .greedy. or positive, got nan"),
+        (["sample", "--ckpt", "{tmp}/ckpt", "--prompt", "hello"], "only the characters '0123456789\\+='; 'ehlo'"),
+        (["bench", "step", "--steps", "0"], "--steps must be positive, got 0"),
+    ],
+)
+def test_bad_input_of_every_command_is_one_sentence(tmp_path, capsys, argv, message):
+    (tmp_path / "file").write_text("not a folder")
+    if "--prompt" in argv:
+        train(tmp_path, "--steps", "2", "--no-plot")
+        capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_resume_banner_counts_the_steps_left(tmp_path, capsys):
+    args = [a for a in TINY if a != "--quiet"]
+    assert main(["train", *args, "--steps", "2", "--no-plot", "--out", str(tmp_path)]) == 0
+    assert "2 steps" in capsys.readouterr().err
+    assert main(["train", *args, "--steps", "3", "--resume", "--no-plot", "--out", str(tmp_path)]) == 0
+    assert "steps 3..3" in capsys.readouterr().err
+    assert main(["train", *args, "--steps", "3", "--resume", "--no-plot", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "nothing to do" in err and "4..3" not in err
+
+
+def test_the_debug_flag_shows_the_traceback(tmp_path):
+    env = dict(os.environ, TINYTRAIN_DEVICE="cpu")
+    env.pop("TINYTRAIN_DEBUG", None)
+    argv = [sys.executable, "-m", "tinytrain.cli", "train", "--lr", "nan", "--out", str(tmp_path)]
+    quiet = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    shown = subprocess.run([*argv, "--debug"], capture_output=True, text=True, env=env, timeout=120)
+    assert quiet.returncode == shown.returncode == 2
+    assert quiet.stderr == "tinytrain train: error: --lr must be positive, got nan\n"
+    assert "Traceback" in shown.stderr and shown.stderr.endswith(quiet.stderr)
+
+
+def test_git_ignores_what_runs_write():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    names = ["run.json", "results.json", "junit.xml", "runs/latest/metrics.json", "ckpt.npz.x1.tmp"]
+    r = subprocess.run(["git", "check-ignore", *names], cwd=root, capture_output=True, text=True)
+    if r.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert sorted(r.stdout.split()) == sorted(names)
