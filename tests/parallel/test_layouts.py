@@ -253,3 +253,27 @@ def test_the_mesh_runner_implements_the_runner_protocol():
 
     model = GPT(GPTConfig(vocab_size=6, block_size=4, n_layer=2, n_head=2, n_embd=8))
     assert isinstance(MeshRunner(model, Plan(pp=2), batch_size=4), Runner)
+
+
+def test_mpirun_without_a_layout_is_data_parallel_over_every_rank(tmp_path):
+    """`mpirun -n 2 tinytrain train` with no layout flag: one data-parallel run over both ranks (said
+    once, on rank 0), on the serial curve; not two serial runs racing on one --out. Starts its own
+    mpirun (no world_size marker: under an outer mpirun it runs on rank 0 only)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from grader.run import mpi_environment
+
+    if shutil.which("mpirun") is None:
+        pytest.skip("needs mpirun")
+    tiny = [a for a in TINY if a != "--quiet"]
+    argv = ["mpirun", "-n", "2", sys.executable, "-m", "tinytrain.cli", "train", *tiny, "--out", str(tmp_path / "run")]
+    env = dict(mpi_environment(), TINYTRAIN_DEVICE="cpu")
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("2 ranks, no layout flag: data parallel over all 2 (--dp 2)") == 1, r.stderr
+    assert r.stderr.count("tinytrain: GPT with") == 1, r.stderr  # one run, one banner
+    manifest = json.loads((tmp_path / "run" / "ckpt" / "manifest.json").read_text())
+    assert manifest["layout"] == "--dp 2" and manifest["world_size"] == 2
+    assert_on_serial_curve(tmp_path / "run", tmp_path)
