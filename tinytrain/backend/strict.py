@@ -60,6 +60,7 @@ _launches = 0  # operations queued on the "device" so far
 _synced_at = 0  # _launches at the last stream synchronization
 _last_write: dict[int, tuple] = {}  # id(base ndarray) -> (weak reference to it, _launches when last written)
 _prune_at = 4096  # forget dead or synchronized entries when the table grows past this
+_owners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(owning ndarray) -> its strict wrapper
 
 _IMPLICIT = (
     "Implicit conversion to a NumPy array is not allowed (TINYTRAIN_DEVICE=strict behaves like CuPy here). "
@@ -142,6 +143,17 @@ class ndarray(NDArrayOperatorsMixin):  # noqa: N801 - named like cupy.ndarray, w
 
     def __init__(self, a: numpy.ndarray):
         self._a = a
+        if a.base is None:  # it owns its memory: views find this wrapper as their .base
+            _owners[id(a)] = self
+
+    @property
+    def base(self):
+        """The array owning the memory of this view, or None (like CuPy: the same object every time)."""
+        owner = self._a.base
+        if not isinstance(owner, numpy.ndarray):
+            return None
+        wrapper = _owners.get(id(owner))
+        return wrapper if wrapper is not None and wrapper._a is owner else ndarray(owner)
 
     # NumPy must not take it implicitly (CuPy: TypeError). numpy.asarray, numpy.testing, MPI all end here.
     def __array__(self, dtype=None, copy=None):
