@@ -7,7 +7,8 @@ recomputation) it computes, with the formulas of ``tinytrain/parallel/costs.py``
 * memory per GPU: parameters, gradients and optimizer state (``zero_memory`` over the data group,
   of this GPU's 1/(tp·pp) of the model) + activations (``activation_bytes_per_layer`` × layers of a
   stage × micro-batches a 1F1B stage holds, min(p, m));
-* step time: compute (``gpt_flops`` / (peak × efficiency)) per micro-batch, plus per micro-batch
+* step time: compute (``gpt_flops`` / (peak × ``matmul_efficiency``: lower for the few tokens of a
+  small micro-batch or a short context shard)) per micro-batch, plus per micro-batch
   each TP all-reduce, CP ring transfer beyond what attention hides, PP boundary message, on the link
   it crosses (α-β: ``collective_time``), times (m + p - 1) micro-batch slots (the bubble,
   ``bubble_formula``), plus the data-parallel gradient sync that backward does not hide.
@@ -40,6 +41,7 @@ from tinytrain.parallel.costs import (
     expert_parallel_volume,
     gpt_flops,
     gpt_parameters,
+    matmul_efficiency,
     mlp_parameters,
     tensor_parallel_volume,
     zero_memory,
@@ -100,7 +102,8 @@ class Cluster:
     gpus_per_node: int = 8
     memory: float = 80 * GB
     peak_flops: float = 312e12
-    efficiency: float = 0.7  # share of peak a large matmul reaches
+    efficiency: float = 0.85  # share of peak a large matmul reaches
+    half_tokens: int = 512  # a matmul over this many tokens reaches half of that (costs.matmul_efficiency)
     intra_bw: float = 300 * GB
     intra_alpha: float = 5e-6
     inter_bw: float = 25 * GB
@@ -178,7 +181,10 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
     flops = gpt_flops(*shape, top_k=model.top_k if model.experts else 1)
     if lo.ep > 1:  # the busiest EP rank's experts run capacity_factor times the even share of tokens
         flops += (flops - gpt_flops(*shape, top_k=0)) * (model.capacity_factor - 1)
-    compute = flops / (lo.tp * lo.pp * lo.cp) / (cl.peak_flops * cl.efficiency)
+    tokens = lo.microbatch * s  # the rows of every matmul on this GPU
+    compute = (
+        flops / (lo.tp * lo.pp * lo.cp) / (cl.peak_flops * matmul_efficiency(tokens, cl.efficiency, cl.half_tokens))
+    )
     activation = lo.microbatch * s * model.hidden * ACTIVATION_BYTES  # one (b, s/cp, h) tensor
     tp_link = cl.link(lo.tp)
     passes = 3 if lo.recompute else 2
@@ -352,7 +358,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=c.gpus_per_node)
     parser.add_argument("--memory-gb", type=float, default=c.memory / GB, help="memory per GPU")
     parser.add_argument("--peak-tflops", type=float, default=c.peak_flops / 1e12, help="peak per GPU")
-    parser.add_argument("--efficiency", type=float, default=c.efficiency, help="share of peak compute reaches")
+    parser.add_argument("--efficiency", type=float, default=c.efficiency, help="share of peak large matmuls reach")
+    parser.add_argument(
+        "--half-tokens",
+        type=int,
+        default=c.half_tokens,
+        help="tokens per GPU and micro-batch at which matmuls reach half",
+    )
     parser.add_argument("--intra-gbps", type=float, default=c.intra_bw / GB, help="intra-node GB/s per GPU")
     parser.add_argument("--inter-gbps", type=float, default=c.inter_bw / GB, help="inter-node GB/s per GPU")
     parser.add_argument("--intra-latency-us", type=float, default=c.intra_alpha * 1e6)
@@ -382,6 +394,8 @@ def from_args(args) -> tuple[ModelSpec, Cluster]:
     if model.hidden % model.heads:
         raise ValueError(f"--hidden {model.hidden} does not split into --heads {model.heads}")
     positive = ("nodes", "gpus_per_node", "memory_gb", "peak_tflops", "efficiency", "intra_gbps", "inter_gbps")
+    if args.half_tokens < 0:
+        raise ValueError(f"--half-tokens must be at least 0, got {args.half_tokens}")
     for k in positive:
         if getattr(args, k) <= 0:
             raise ValueError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
@@ -391,6 +405,7 @@ def from_args(args) -> tuple[ModelSpec, Cluster]:
         memory=args.memory_gb * GB,
         peak_flops=args.peak_tflops * 1e12,
         efficiency=args.efficiency,
+        half_tokens=args.half_tokens,
         intra_bw=args.intra_gbps * GB,
         inter_bw=args.inter_gbps * GB,
         intra_alpha=args.intra_latency_us * 1e-6,
@@ -402,7 +417,7 @@ def from_args(args) -> tuple[ModelSpec, Cluster]:
 def _row(r: dict) -> str:
     mem, t = r["memory"], r["time"]
     return (
-        f"{r['flags']:<52} {mem['total'] / GB:6.1f} GB  step {t['step']:8.3f} s  {r['hfu']:5.1%} of peak  "
+        f"{r['flags']:<52} {mem['total'] / GB:6.1f} GB  step {t['step']:8.3f} s  {r['mfu']:5.1%} MFU  "
         f"(compute {t['compute']:.2f}, TP {t['tensor_parallel']:.2f} {r['links']['tp']}, "
         f"bubble {t['bubble_share']:.0%}, PP {t['pipeline_messages']:.2f}, DP {t['data_parallel_exposed']:.2f}"
         + (f", EP {t['expert_parallel']:.2f} {r['links']['ep']}" if r["layout"]["ep"] > 1 else "")

@@ -48,6 +48,11 @@ def comm_matrix(stats: _stats.CommStats, op: str | None = None, group: str | Non
     n = get_world_size()
     row = numpy.zeros(n, dtype=numpy.int64)
     for peer, nbytes in stats.sent_to(op, group).items():
+        if peer >= n:
+            raise ValueError(
+                f"these counters include bytes sent to world rank {peer}, but the world has {n} ranks: "
+                "measure a region of this run with comm_stats()"
+            )
         row[peer] = nbytes
     return all_gather(row).reshape(n, n)
 

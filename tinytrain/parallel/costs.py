@@ -44,6 +44,7 @@ __all__ = [
     "mlp_parameters",
     "expert_parallel_volume",
     "attention_share",
+    "matmul_efficiency",
     "fit_alpha_beta",
     "crossover",
 ]
@@ -179,6 +180,13 @@ def expert_parallel_volume(tokens_bytes: float, ep: int, top_k: int = 1, capacit
     one back (combine) of its tokens, each sent to ``top_k`` experts; with a capacity factor the
     buffers are padded to ``capacity_factor`` times the even share (a6 handout, ``wire_bytes``)."""
     return 2 * collective_bytes("all_to_all", tokens_bytes * top_k * capacity_factor, ep)
+
+
+def matmul_efficiency(tokens: int, large: float, half_tokens: int) -> float:
+    """Share of peak a layer's matmuls reach on ``tokens`` rows (micro-batch × sequence positions
+    on this GPU): ``large`` for big ones, half of that at ``half_tokens``; small matmuls cannot fill
+    the GPU (Narayanan et al. 2021, section 5.6: throughput grows with the micro-batch size)."""
+    return large * tokens / (tokens + half_tokens)
 
 
 def attention_share(s: int, l: int, h: int, V: int) -> float:  # noqa: E741
