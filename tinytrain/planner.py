@@ -389,16 +389,19 @@ def from_args(args) -> tuple[ModelSpec, Cluster]:
             raise ValueError(f"--{k.replace('_', '-')} must be at least {0 if k == 'experts' else 1}, got {v}")
     if model.experts and model.top_k > model.experts:
         raise ValueError(f"--top-k {model.top_k} is more than --experts {model.experts}")
-    if model.capacity_factor < 1:
+    if not model.capacity_factor >= 1:
         raise ValueError(f"--capacity-factor must be at least 1, got {model.capacity_factor}")
     if model.hidden % model.heads:
         raise ValueError(f"--hidden {model.hidden} does not split into --heads {model.heads}")
     positive = ("nodes", "gpus_per_node", "memory_gb", "peak_tflops", "efficiency", "intra_gbps", "inter_gbps")
-    if args.half_tokens < 0:
-        raise ValueError(f"--half-tokens must be at least 0, got {args.half_tokens}")
+    for k in ("half_tokens", "intra_latency_us", "inter_latency_us"):
+        if not getattr(args, k) >= 0:
+            raise ValueError(f"--{k.replace('_', '-')} must be at least 0, got {getattr(args, k)}")
     for k in positive:
-        if getattr(args, k) <= 0:
+        if not getattr(args, k) > 0:  # nan too
             raise ValueError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+    if not args.efficiency <= 1:
+        raise ValueError(f"--efficiency is a share of peak: at most 1, got {args.efficiency}")
     cluster = Cluster(
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,

@@ -123,6 +123,8 @@ def test_plan_command_prints_layouts_and_json(capsys):
         (["--hidden", "100", "--heads", "3"], "does not split"),
         (["--model", "mixtral-8x7b", "--top-k", "9"], "--top-k 9 is more than --experts 8"),
         (["--capacity-factor", "0.5"], "--capacity-factor must be at least 1"),
+        (["--efficiency", "nan"], "--efficiency must be positive"),
+        (["--efficiency", "1.5"], "at most 1"),
     ],
 )
 def test_plan_bad_input_says_what_to_change(capsys, argv, message):
