@@ -152,7 +152,7 @@ class Exchange:
         try:
             req = start()
         except MPI.Exception as exc:
-            raise self._mpi_error(exc, f"posting a {label.split()[0]} of {_describe(buf)} to/from", peer) from exc
+            raise self._mpi_error(exc, label, peer, buf) from exc
         self.reqs.append(req)
         self.labels.append((label, self.group.world_rank(peer)))
         self.expect.append(expect)
@@ -234,10 +234,10 @@ class Exchange:
         self.group.broken = f"{type(error).__name__} in {self.op}"
         return error
 
-    def _mpi_error(self, exc, doing: str, peer: int) -> CommError:
+    def _mpi_error(self, exc, label: str, peer: int, buf) -> CommError:
         return CommError(
-            f"{self.op} on {self.group.describe()}, {self.what}: MPI failed {doing} rank "
-            f"{self.group.world_rank(peer)}: {exc}{_caller()}"
+            f"{self.op} on {self.group.describe()}, {self.what}: MPI failed posting {label} rank "
+            f"{self.group.world_rank(peer)} ({_describe(buf)}): {exc}{_caller()}"
         )
 
     def pending(self) -> list[tuple[str, int]]:
