@@ -61,11 +61,13 @@ def _parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds any single communication may wait (TINYTRAIN_TIMEOUT, default 10)",
     )
-    sub = p.add_subparsers(dest="command", metavar="{stubs,release,mutants}")
+    sub = p.add_subparsers(dest="command", metavar="{stubs,release}" if is_release() else "{stubs,release,mutants}")
     s = sub.add_parser("stubs", help="regenerate assignments/ from the solution markers in the reference")
     s.add_argument("--check", action="store_true", help="only check: exit 1 with a diff when assignments/ is stale")
     r = sub.add_parser("release", help="write a solution-free copy of the repository for students")
     r.add_argument("out", metavar="OUT", help="folder to create (must not exist)")
+    if is_release():  # the mutation suite plants bugs into the reference solutions: not in a copy
+        return p
     m = sub.add_parser("mutants", help="plant realistic bugs in the reference solutions; every one must be caught")
     m.add_argument("--ci", action="store_true", help="only the representative subset CI runs")
     m.add_argument("--only", nargs="+", metavar="PATTERN", help="only mutants of these tasks (1.* or 2.3)")
@@ -149,6 +151,13 @@ def grade(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if is_release() and any(a == "--impl" or a.startswith("--impl=") for a in argv):
+        print(
+            "error: a student copy grades only your assignments (it has no reference solution): drop --impl",
+            file=sys.stderr,
+        )
+        return 2
     args = _parser().parse_args(argv)
     if args.command == "stubs":
         from .stubs import main as stubs_main
