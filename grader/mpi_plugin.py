@@ -202,8 +202,8 @@ def _silence(config) -> None:
 
 def pytest_report_header(config):
     return (
-        f"tinytrain MPI harness: {_size} rank(s), TINYTRAIN_TIMEOUT={os.environ['TINYTRAIN_TIMEOUT']}s, "
-        f"TINYTRAIN_DEBUG={os.environ['TINYTRAIN_DEBUG']}"
+        f"tinytrain MPI harness: {_size} rank(s), TINYTRAIN_TIMEOUT={os.environ['TINYTRAIN_TIMEOUT']}s per wait, "
+        f"TINYTRAIN_TEST_TIMEOUT={test_deadline():g}s per test, TINYTRAIN_DEBUG={os.environ['TINYTRAIN_DEBUG']}"
     )
 
 
