@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from tinytrain.checkpoint import atomic_write
+
 
 def plot_last_pipeline_step(spans, plan, args, out: Path) -> None:
     """The measured last step next to the simulated schedule, and activation memory per stage."""
@@ -29,21 +31,18 @@ def plot_last_pipeline_step(spans, plan, args, out: Path) -> None:
     p, m, v = plan.pp, plan.n_microbatches, plan.chunks
     simulated = simulate(make_schedule(plan.schedule, p, m, v), chunks=v).rows()
     formula = bubble_formula(p, m, v)
-    compare_pipelines(
-        [(f"simulated {args.schedule}", simulated), (f"measured {args.schedule}, step {args.steps}", measured)],
+    panels = [(f"simulated {args.schedule}", simulated), (f"measured {args.schedule}, step {args.steps}", measured)]
+    atomic_write(
         out / "pipeline.png",
-        formulas=[formula, formula],
-        sharex=False,
-        units_ms=[False, True],
+        lambda f: compare_pipelines(panels, f, formulas=[formula, formula], sharex=False, units_ms=[False, True]),
     )
     memory = {}
     for s in in_last:
         if s["cat"] == "memory":
             memory.setdefault(f"stage {s['rank']}", []).append((s["start"], s["args"]["bytes"]))
-    plot_activation_memory(
-        dict(sorted(memory.items())),
-        out / "activation_memory.png",
-        title=f"bytes saved for backward during step {args.steps} ({args.schedule})",
+    title = f"bytes saved for backward during step {args.steps} ({args.schedule})"
+    atomic_write(
+        out / "activation_memory.png", lambda f: plot_activation_memory(dict(sorted(memory.items())), f, title=title)
     )
     print(
         f"pipeline: measured bubble share {bubble_share(measured):.1%}, formula (p-1)/(v·m+p-1) = {formula:.1%}; "

@@ -90,8 +90,7 @@ class SerialRunner:
         if args.trace:
             from tinytrain import trace
 
-            trace.write_chrome(args.trace)
-            print(f"wrote the Chrome trace {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+            write_trace(args.trace, trace.spans())
 
 
 class MeshRunner:
@@ -158,8 +157,7 @@ class MeshRunner:
         if args.trace or args.plot:
             spans = trace.merge()
             if self.is_main and args.trace:
-                trace.write_chrome(args.trace, spans)
-                print(f"wrote the Chrome trace {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+                write_trace(args.trace, spans)
             if self.is_main and args.plot and self.plan.pp > 1:
                 from tinytrain.trainer.plots import plot_last_pipeline_step
 
@@ -195,6 +193,16 @@ class MeshRunner:
             lines.append(f"rank {r:<5}{mb(row[0])} {mb(row[1])} {mb(row[2])} {mb(sum(row[:3]))} {mb(row[3])}")
         lines.append(f"{'unsharded':10}{mb(full[0])} {mb(full[1])} {mb(full[2])} {mb(sum(full))}")
         print("\n".join(lines), file=sys.stderr)
+
+
+def write_trace(path, spans: list[dict]) -> None:
+    """The spans as a Chrome trace at ``path``, written atomically like every output."""
+    import json
+
+    from tinytrain import trace
+
+    checkpoint.atomic_write(path, lambda f: f.write(json.dumps(trace.to_chrome(spans)).encode()))
+    print(f"wrote the Chrome trace {path} (open it in https://ui.perfetto.dev)", file=sys.stderr)
 
 
 def _shapes(model) -> dict:
