@@ -1,8 +1,8 @@
 """``tinytrain plan``: which layouts of a model fit a cluster, and which is fastest, with the reason
 in numbers.
 
-For every layout (dp × pp × cp × tp ranks, SP on or off, ZeRO stage, micro-batch size, activation
-recomputation) it computes, with the formulas of ``tinytrain/parallel/costs.py`` (the handouts'):
+For every layout (dp × pp × ep × cp × tp ranks, SP on or off, ZeRO stage, micro-batch size,
+activation recomputation) it computes, with the formulas of ``tinytrain/parallel/costs.py`` (the handouts'):
 
 * memory per GPU: parameters, gradients and optimizer state (``zero_memory`` over the data group,
   of this GPU's 1/(tp·pp) of the model) + activations (``activation_bytes_per_layer`` × layers of a
@@ -13,7 +13,7 @@ recomputation) it computes, with the formulas of ``tinytrain/parallel/costs.py``
   it crosses (α-β: ``collective_time``), times (m + p - 1) micro-batch slots (the bubble,
   ``bubble_formula``), plus the data-parallel gradient sync that backward does not hide.
 
-The mesh is tinytrain's: TP innermost (neighbouring GPUs), then CP, PP, DP outermost; a group whose
+The mesh is tinytrain's: TP innermost (neighbouring GPUs), then CP, EP, PP, DP outermost; a group whose
 ranks lie within ``gpus_per_node`` consecutive GPUs talks over the intra-node link, otherwise over
 the inter-node one. A mixture of experts (``--experts``) adds EP: each EP rank holds 1/ep of the
 experts and takes its own rows; per MoE layer and pass two all-to-alls (dispatch, combine) of its
@@ -198,7 +198,7 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
     ep_link = cl.link(lo.tp * lo.cp * lo.ep)
     routed = activation / lo.tp * model.top_k * model.capacity_factor  # padded to the capacity
     ep = layers * passes * 2 * collective_time("all_to_all", routed, lo.ep, *ep_link) if lo.ep > 1 else 0.0
-    pp_link = cl.link(lo.tp * lo.cp * lo.pp)
+    pp_link = cl.link(lo.tp * lo.cp * lo.ep * lo.pp)
     boundary = activation / (lo.tp if lo.sp else 1)
     pp = 2 * collective_time("send", boundary, 2, *pp_link) if lo.pp > 1 else 0.0
     slot = compute + tp + cp + ep + pp
@@ -253,7 +253,7 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
         "links": {
             "tp": _name(cl, lo.tp),
             "ep": _name(cl, lo.tp * lo.cp * lo.ep),
-            "pp": _name(cl, lo.tp * lo.cp * lo.pp),
+            "pp": _name(cl, lo.tp * lo.cp * lo.ep * lo.pp),
             "dp": _name(cl, world),
         },
         "mfu": model_flops / (world * cl.peak_flops * step),
