@@ -111,15 +111,18 @@ def fail(command: str | None, exc: BaseException, debug: bool) -> None:
     on the side channel: that rank printed the cause). Otherwise rank 0 at once, and any other rank
     after giving rank 0 a moment to abort the job for the same reason (a bad flag fails every rank
     alike: one message, not N)."""
-    bad_input = is_bad_input(exc)
-    if isinstance(exc, KeyboardInterrupt):
+    bad_input, interrupted = is_bad_input(exc), isinstance(exc, KeyboardInterrupt)
+    if interrupted:
         code = EXIT_INTERRUPTED
     else:
         code = EXIT_BAD_INPUT if bad_input else EXIT_ERROR
     rank, size = _world()
-    line = f"{_name(command)}: {'' if size == 1 else f'rank {rank}: '}error: "
-    line += str(exc) if bad_input else f"{type(exc).__name__}: {exc}"
-    if not bad_input and not debug:
+    line = f"{_name(command)}: {'' if size == 1 else f'rank {rank}: '}"
+    if interrupted:
+        line += f"interrupted{f': {exc}' if str(exc) else ''}"
+    else:
+        line += "error: " + (str(exc) if bad_input else f"{type(exc).__name__}: {exc}")
+    if not bad_input and not interrupted and not debug:
         line += " (run with --debug or TINYTRAIN_DEBUG=1 for the traceback)"
     shown = exc if debug else None
     if size == 1:

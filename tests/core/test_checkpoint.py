@@ -107,3 +107,38 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert checkpoint.Reader(tmp_path).meta["step"] == 2
     assert sorted(os.listdir(tmp_path)) == [checkpoint.MANIFEST, "step-000000002"]
     assert json.loads((tmp_path / checkpoint.MANIFEST).read_text())["folder"] == "step-000000002"
+
+
+@pytest.mark.parametrize(
+    "damage,where",
+    [
+        (lambda step: (step / "rank-00000.npz").unlink(), "step-000000003/rank-00000: FileNotFoundError"),
+        (lambda step: (step / "rank-00000.json").write_text("{"), "step-000000003/rank-00000: JSONDecodeError"),
+        (lambda step: (step.parent / "manifest.json").write_text('{"format": 1'), "manifest.json: JSONDecodeError"),
+        (lambda step: (step / "rank-00000.npz").write_bytes(b"PK\x03\x04" + b"\0" * 40), "step-000000003/rank-00000: BadZipFile"),
+    ],
+    ids=["missing-piece", "broken-index", "truncated-manifest", "corrupt-npz"],
+)
+def test_a_damaged_checkpoint_is_one_checkpoint_error(tmp_path, damage, where):
+    model, opt = trained(0)
+    save(tmp_path, model, opt, 3)
+    damage(tmp_path / checkpoint.step_folder(3))
+    with pytest.raises(checkpoint.CheckpointError, match=rf"checkpoint {tmp_path} is damaged or truncated \({where}"):
+        reader = checkpoint.Reader(tmp_path)
+        for name in reader.names():
+            reader.read(name)
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_says_why(tmp_path, monkeypatch):
+    model, opt = trained(0)
+    save(tmp_path, model, opt, 3)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.numpy, "savez", full)
+    with pytest.raises(checkpoint.CheckpointError, match=r"step 5 .*No space left on device.*previous checkpoint"):
+        save(tmp_path, model, opt, 5)
+    monkeypatch.undo()
+    assert checkpoint.Reader(tmp_path).meta["step"] == 3
+    assert not list(tmp_path.rglob("*.tmp"))  # the failed write removed its temporary

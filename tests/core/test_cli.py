@@ -466,3 +466,19 @@ def test_git_ignores_what_runs_write():
     if r.returncode == 128:
         pytest.skip("not a git checkout")
     assert sorted(r.stdout.split()) == sorted(names)
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    """The first SIGINT asks for a stop after the step (and a checkpoint); the second raises at once."""
+    import signal
+
+    from tinytrain.trainer.loop import Interrupts
+
+    before = signal.getsignal(signal.SIGINT)
+    with Interrupts(announce=False) as interrupts:
+        assert interrupts.signal is None
+        interrupts.handle(signal.SIGINT, None)
+        assert interrupts.signal == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt, match="interrupted twice: stopped at once"):
+            interrupts.handle(signal.SIGINT, None)
+    assert signal.getsignal(signal.SIGINT) is before  # restored after training
