@@ -115,7 +115,10 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         (lambda step: (step / "rank-00000.npz").unlink(), "step-000000003/rank-00000: FileNotFoundError"),
         (lambda step: (step / "rank-00000.json").write_text("{"), "step-000000003/rank-00000: JSONDecodeError"),
         (lambda step: (step.parent / "manifest.json").write_text('{"format": 1'), "manifest.json: JSONDecodeError"),
-        (lambda step: (step / "rank-00000.npz").write_bytes(b"PK\x03\x04" + b"\0" * 40), "step-000000003/rank-00000: BadZipFile"),
+        (
+            lambda step: (step / "rank-00000.npz").write_bytes(b"PK\x03\x04" + b"\0" * 40),
+            "step-000000003/rank-00000: BadZipFile",
+        ),
     ],
     ids=["missing-piece", "broken-index", "truncated-manifest", "corrupt-npz"],
 )
