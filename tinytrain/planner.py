@@ -148,32 +148,40 @@ class Layout:
 ACTIVATION_BYTES = 2  # bf16 activations and gradients on the wire; fp32 master state in K
 
 
+def shards(model: ModelSpec, lo: Layout) -> tuple[float, float]:
+    """(dense, expert) parameters on one GPU: 1/(tp·pp) of the dense model, and 1/(tp·pp·ep) of the
+    experts (each EP rank holds its own)."""
+    expert = model.expert_parameters / (lo.tp * lo.pp * lo.ep)
+    return (model.parameters - model.expert_parameters) / (lo.tp * lo.pp), expert
+
+
+def memory_per_gpu(model: ModelSpec, lo: Layout) -> dict:
+    """Bytes one GPU holds: model state (``zero_memory``; the dense weights sharded over the data
+    group dp·ep·cp, the experts over dp·cp) and the activations of stage 0, which under 1F1B holds
+    min(p, m) micro-batches of its layers (and, recomputing, one layer's full set at a time)."""
+    dense, expert = shards(model, lo)
+    state = zero_memory(dense, lo.dp * lo.ep * lo.cp, lo.zero)
+    experts = zero_memory(expert, lo.dp * lo.cp, lo.zero)
+    s, m = model.seq // lo.cp, model.batch // (lo.dp * lo.ep * lo.microbatch)
+    layer = activation_bytes_per_layer(s, lo.microbatch, model.hidden, model.heads, lo.tp, lo.sp, lo.recompute)
+    activations = layer * model.layers / lo.pp * (min(lo.pp, m) if lo.pp > 1 else 1)
+    if lo.recompute:
+        activations += activation_bytes_per_layer(s, lo.microbatch, model.hidden, model.heads, lo.tp, lo.sp)
+    memory = {k: state[k] + experts[k] for k in ("params", "grads", "optimizer")}
+    memory["activations"] = activations
+    memory["total"] = sum(memory.values())
+    return memory
+
+
 def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
     """Memory per GPU (bytes) and step time (seconds), each with its parts; see the module docstring."""
     lo, cl = layout, cluster
     world = lo.gpus
     m = model.batch // (lo.dp * lo.ep * lo.microbatch)  # micro-batches per replica and step
     s = model.seq // lo.cp  # positions each context rank holds
-    # experts: 1/ep of them on each EP rank, averaged over DP (and CP); the rest over the whole data group
-    expert_gpu = model.expert_parameters / (lo.tp * lo.pp * lo.ep)
-    dense_gpu = (model.parameters - model.expert_parameters) / (lo.tp * lo.pp)
+    dense_gpu, expert_gpu = shards(model, lo)
     data_group = lo.dp * lo.ep * lo.cp  # CP and EP are data parallel for the dense weights
-    dense, experts = zero_memory(dense_gpu, data_group, lo.zero), zero_memory(expert_gpu, lo.dp * lo.cp, lo.zero)
-    state = {k: dense[k] + experts[k] for k in dense}
-    layer_act = activation_bytes_per_layer(
-        s, lo.microbatch, model.hidden, model.heads, lo.tp, lo.sp, lo.recompute, ACTIVATION_BYTES
-    )
-    held = min(lo.pp, m) if lo.pp > 1 else 1  # 1F1B: stage 0 holds p micro-batches in flight
-    activations = layer_act * model.layers / lo.pp * held
-    if lo.recompute:  # the layer being recomputed holds its whole set for a moment
-        activations += activation_bytes_per_layer(s, lo.microbatch, model.hidden, model.heads, lo.tp, lo.sp)
-    memory = {
-        "params": state["params"],
-        "grads": state["grads"],
-        "optimizer": state["optimizer"],
-        "activations": activations,
-    }
-    memory["total"] = sum(memory.values())
+    memory = memory_per_gpu(model, lo)
 
     # --- one micro-batch on one stage -------------------------------------------------------------
     layers = model.layers / lo.pp
