@@ -345,7 +345,7 @@ MUTANTS += [
         A3,
         "        p.grad = None  # the collective copied it: the full gradient is not kept\n",
         "",
-        "gradient",
+        "full gradient",
     ),
     M(
         "zero2_waits_for_each_reduce_scatter",
@@ -361,7 +361,7 @@ MUTANTS += [
         A3,
         "                self.gathered_bytes -= s.p.data.nbytes\n",
         "",
-        "gathered",
+        "gathered|one layer",
     ),
     M(
         "zero3_keeps_gathered_parameters",
@@ -369,7 +369,7 @@ MUTANTS += [
         A3,
         "                s.p.data = _EMPTY",
         "                pass",
-        "gathered|memory|peak",
+        "full parameters|\\(params, grads, optimizer\\)",
     ),
 ]
 
@@ -384,7 +384,7 @@ MUTANTS += [
         _TP,
         "        return all_reduce_copy(grad, ctx.group), None\n",
         "        return grad, None\n",
-        "copy|CopyToRegion|gradient",
+        "CopyToRegion",
     ),
     M(
         "gather_from_region_backward_keeps_everything",
@@ -392,7 +392,7 @@ MUTANTS += [
         _TP,
         "        return my_piece(grad, -1, ctx.group), None\n",
         "        return grad, None\n",
-        "shape|GatherFromRegion",
+        "GatherFromRegion",
     ),
     M(
         "row_parallel_adds_the_bias_on_every_rank",
@@ -400,7 +400,7 @@ MUTANTS += [
         _TPL,
         "        y = self.leave(F.linear(x, self.weight))\n        return y if self.bias is None else y + self.bias",
         "        return self.leave(F.linear(x, self.weight, self.bias))",
-        "RowParallel|bias|output",
+        "row|bias",
     ),
     M(
         "column_parallel_skips_enter",
@@ -408,7 +408,7 @@ MUTANTS += [
         _TPL,
         "y = F.linear(self.enter(x), self.weight, self.bias)",
         "y = F.linear(x, self.weight, self.bias)",
-        "ColumnParallel|input gradient|x.grad",
+        "column|input gradient",
     ),
     M(
         "parallel_mlp_forgets_dropout",
@@ -424,7 +424,7 @@ MUTANTS += [
         _TPL,
         "            y = F.linear(x, linear.weight, linear.bias)",
         "            y = linear(x)",
-        "all-reduce|bytes|attention",
+        "attention",
     ),
     M(
         "vocab_embedding_does_not_mask",
@@ -432,7 +432,7 @@ MUTANTS += [
         _TPL,
         "        local = local * Tensor(mine[..., None].astype(local.dtype))\n",
         "",
-        "embedding",
+        "embedding|lookup",
     ),
     M(
         "cross_entropy_without_the_global_max",
@@ -440,7 +440,7 @@ MUTANTS += [
         A4 + "cross_entropy.py",
         '        dist.all_reduce(row_max, op="max", group=group, algo="ring")\n',
         "",
-        "large logits|nan|inf|cross",
+        "cross|loss|logits",
     ),
     M(
         "sequence_parallel_dropout_not_sharded",
@@ -456,7 +456,7 @@ MUTANTS += [
         _TP,
         "        return reduce_scatter_along(grad, 1, ctx.group), None\n",
         "        return my_piece(grad, 1, ctx.group), None\n",
-        "sequence|gradient|Gather",
+        "sequence|reduce_scatter",
     ),
 ]
 
@@ -568,7 +568,7 @@ MUTANTS += [
         _ED,
         "dist.all_to_all(xp.ascontiguousarray(grad), recv_sizes, send_sizes, group=ctx.group)",
         "dist.all_to_all(xp.ascontiguousarray(grad), send_sizes, recv_sizes, group=ctx.group)",
-        "size|gradient|all_to_all",
+        "size",
     ),
     M(
         "dispatch_without_regrouping_by_expert",
@@ -577,7 +577,7 @@ MUTANTS += [
         "    out = moe.run_experts(got[xp.asarray(perm)], arriving.sum(axis=0), owned(r, moe.n_experts, P))\n"
         "    back = out[xp.asarray(inverse(perm))]",
         "    out = moe.run_experts(got, arriving.sum(axis=0), owned(r, moe.n_experts, P))\n    back = out",
-        "output|expert|differ",
+        "expert",
     ),
     M(
         "expert_gradients_not_divided_by_ep",
@@ -585,7 +585,7 @@ MUTANTS += [
         A6 + "model.py",
         "unflatten(flat, experts, scale=1.0 / self.size)",
         "unflatten(flat, experts)",
-        "expert|gradient",
+        "expert",
     ),
     M(
         "dense_gradients_not_averaged_over_dp",
@@ -595,7 +595,7 @@ MUTANTS += [
         '                dist.all_reduce(flat, op="avg", group=self.dp_group)\n'
         "            unflatten(flat, dense_params)",
         "            unflatten(flat, dense_params)",
-        "dense|gradient",
+        "dense|wte",
     ),
 ]
 
@@ -618,7 +618,7 @@ MUTANTS += [
         _CM,
         "    out = xp.exp(lse_a - lse)[..., None] * out_a + xp.exp(lse_b - lse)[..., None] * out_b",
         "    out = 0.5 * (out_a + out_b)",
-        "merge|out",
+        "merge",
     ),
     M(
         "ring_computes_before_sending",
@@ -627,7 +627,7 @@ MUTANTS += [
         "            incoming, works = pass_on(kv, group, TAG_KV)  # posted first: it travels while I compute\n"
         '        with compute_span(step, src, "forward"):',
         '            pass\n        with compute_span(step, src, "forward"):',
-        "before|overlap|posted",
+        "posted the K/V sends",
         more=(
             (
                 "        if step < n - 1:\n            wait_all(works)\n            kv = incoming\n    # every query",
@@ -642,17 +642,17 @@ MUTANTS += [
         _CR,
         "        src = (r - step) % n  # whose K/V I hold now\n",
         "        src = (r + step) % n  # whose K/V I hold now\n",
-        "attention|output|differ",
+        "output|attention",
     ),
-    M("dkv_accumulator_dropped", "7.3", _CR, "            part += dkv\n", "", "dk|dv|gradient"),
-    M("block_gradients_without_delta", "7.3", _CM, "    ds -= delta[..., None]\n", "", "dq|gradient"),
+    M("dkv_accumulator_dropped", "7.3", _CR, "            part += dkv\n", "", "dk|dv"),
+    M("block_gradients_without_delta", "7.3", _CM, "    ds -= delta[..., None]\n", "", "dq|dk|dv"),
     M(
         "contiguous_instead_of_zigzag",
         "7.4",
         A7 + "split.py",
         "    return [rank, 2 * n - 1 - rank]",
         "    return [2 * rank, 2 * rank + 1]",
-        "zigzag|chunk|balanced",
+        "zigzag|chunks",
     ),
     M(
         "zigzag_mirror_off_by_one",
@@ -660,7 +660,7 @@ MUTANTS += [
         A7 + "split.py",
         "    return [rank, 2 * n - 1 - rank]",
         "    return [rank, 2 * n - 2 - rank]",
-        "zigzag|chunk|position",
+        "zigzag|chunks",
     ),
     M(
         "ulysses_forgets_to_sort_positions",
@@ -668,7 +668,7 @@ MUTANTS += [
         A7 + "ulysses.py",
         "    return got[..., order, :]",
         "    return got",
-        "ulysses|position|output",
+        "positions",
     ),
     M(
         "ulysses_back_in_the_wrong_order",
@@ -676,11 +676,11 @@ MUTANTS += [
         A7 + "ulysses.py",
         "y[..., gathered_positions(T, n, split), :]",
         "y",
-        "ulysses|position|output",
+        "positions",
     ),
 ]
 
-# The representative subset CI runs (tests/grader/test_mutants.py): one mutant of each of 14 tasks,
+# The representative subset CI runs (tests/grader/test_mutants.py): one mutant of each of 12 tasks,
 # graded in one run (about 30 s on 2 cores); A3's tasks, the slowest to grade, only in the full set.
 CI_MUTANTS = (
     "direct_exchange_with_owners",
@@ -689,8 +689,6 @@ CI_MUTANTS = (
     "all_to_all_in_one_step",
     "tree_of_log2_rounds_misses_ranks_when_n_is_not_a_power_of_two",
     "ddp_sums_instead_of_averaging",
-    "no_sync_resets_to_true",
-    "copy_to_region_backward_does_not_sum",
     "parallel_mlp_forgets_dropout",
     "received_buffer_reused_across_microbatches",
     "interleaved_warmup_too_short",
@@ -732,11 +730,35 @@ def plant(mutants: list[Mutant], folder: Path) -> Path:
     return folder
 
 
+# Tasks whose graded tests run the code of other tasks (a bug there fails these too): mutants of
+# a task and of what it builds on are never graded in the same run.
+BUILDS_ON = {
+    "2.3": {"2.1", "2.2"},
+    "3.2": {"3.1"},
+    "3.3": {"3.1", "3.2"},
+    "4.2": {"4.1"},
+    "4.3": {"4.1", "4.2"},
+    "4.4": {"4.1", "4.2", "4.3"},
+    "4.5": {"4.1", "4.2", "4.3", "4.4"},
+    "6.2": {"6.1"},
+    "6.3": {"6.1", "6.2"},
+    "6.4": {"6.1", "6.2", "6.3"},
+    "7.2": {"7.1"},
+    "7.3": {"7.1", "7.2"},
+    "7.4": {"7.1", "7.2", "7.3"},
+    "7.5": {"7.4"},
+}
+
+
+def _apart(a: str, b: str) -> bool:
+    return a != b and a not in BUILDS_ON.get(b, ()) and b not in BUILDS_ON.get(a, ())
+
+
 def rounds(mutants: list[Mutant]) -> list[list[Mutant]]:
-    """Groups with at most one mutant per task, in order."""
+    """Groups with at most one mutant per task and none of tasks that build on each other."""
     out: list[list[Mutant]] = []
     for m in mutants:
-        home = next((r for r in out if all(x.task != m.task for x in r)), None)
+        home = next((r for r in out if all(_apart(x.task, m.task) for x in r)), None)
         if home is None:
             out.append(home := [])
         home.append(m)
@@ -765,7 +787,8 @@ def verdict(m: Mutant, results: dict) -> tuple[bool, str]:
     first = out.splitlines()[0] if out else ""
     if row["status"] != "failed":
         return False, "passed"
-    if not re.search(m.cause, out, re.I):
+    message = re.sub(r"^FAIL: test_\w+(\[[\w-]+\])?:? ", "", first)  # what the student reads, not the test's name
+    if not re.search(m.cause, message, re.I):
         return False, f"failed without naming the cause ({m.cause!r}): {first[:300]}"
     if not _SEED.search(out):
         return False, f"failed, but names no replay seed: {first[:300]}"
