@@ -103,6 +103,12 @@ def expect_ring(steps, g, phases: int, what: str, context: str) -> None:
     right, left = (r + 1) % n, (r - 1) % n
     want = phases * (n - 1)
     rank = dist.get_rank()
+    if want and not steps:
+        raise AssertionError(
+            f"rank {rank}: {what} yielded no c.exchange(...) step: write each ring step as one "
+            f"`yield c.exchange(what, sends=[...], recvs=[...])` (messages sent any other way are neither "
+            f"posted together nor counted) {context}"
+        )
     if len(steps) != want:
         raise AssertionError(
             f"rank {rank}: {what} took {len(steps)} steps; a ring takes n-1 = {n - 1} steps per phase "
