@@ -10,8 +10,11 @@ from tinytrain.parallel.pipeline import gpipe, interleaved_1f1b, make_schedule, 
 from tinytrain.parallel.simulator import Action, ScheduleError, bubble_formula, simulate, validate
 
 rng = np.random.default_rng()
+# Shapes become test ids, which must be the same on every rank of `mpirun -n 4 pytest` (the
+# harness compares what each rank collected), so the extra shapes come from a fixed seed.
+_shape_rng = np.random.default_rng(20261130)
 SHAPES = [(1, 1), (1, 5), (2, 1), (2, 2), (3, 7), (4, 4), (4, 8)] + [
-    (int(rng.integers(2, 7)), int(rng.integers(1, 17))) for _ in range(4)
+    (int(_shape_rng.integers(2, 7)), int(_shape_rng.integers(1, 17))) for _ in range(4)
 ]
 
 
