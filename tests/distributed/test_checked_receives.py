@@ -89,3 +89,5 @@ def test_bench_collectives_reports_the_cost_of_the_receive_check(capsys):
         assert "check %" in out
         row = [line for line in out.splitlines() if line.strip().startswith("all_reduce")][0]
         float(row.split()[-1])  # a number: the check's cost in percent of our time
+        line = [line for line in out.splitlines() if line.startswith("# receive check:")][0]
+        float(line.split()[3])  # ns per received message, measured on one process
