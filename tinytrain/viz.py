@@ -280,8 +280,12 @@ def plot_timeline(spans: list[dict], path, title: str | None = None) -> None:
 
 def comm_matrix_from_trace(spans: list, op: str | None = None, group: str | None = None) -> numpy.ndarray:
     """The (sender, receiver) bytes matrix from the "comm counters" records a merged trace ends with
-    (each rank's per-peer counters at the merge: the whole run)."""
-    records = [s for s in spans if s["cat"] == "counters"]
+    (each rank's per-peer counters at the merge: the whole run). The counters only grow, so where a
+    rank has several records the last one counts."""
+    last = {}
+    for s in sorted((s for s in spans if s["cat"] == "counters"), key=lambda s: s["start"]):
+        last[s["rank"]] = s
+    records = list(last.values())
     if not records:
         raise ValueError("the trace has no 'comm counters' records: was it merged by tinytrain.trace.merge()?")
     n = 1 + max(max(s["rank"] for s in records), *(p[2] for s in records for p in s["args"]["peers"]))

@@ -61,6 +61,8 @@ def test_comm_matrix_from_trace_reads_the_counters_records():
     assert m.shape == (3, 3) and m[0, 1] == 100 and m[0, 2] == 7 and m[1, 0] == 40 and m.sum() == 147
     assert viz.comm_matrix_from_trace(spans, group="tp").sum() == 7
     assert viz.comm_matrix_from_trace(spans, op="all_reduce")[0, 2] == 0
+    earlier = dict(counters_span(0, [["dp", "all_reduce", 1, 60, 0]]), start=-1.0)  # counters only grow
+    assert viz.comm_matrix_from_trace([earlier, *spans])[0, 1] == 100
     with pytest.raises(ValueError, match="comm counters"):
         viz.comm_matrix_from_trace(spans[2:])
 
