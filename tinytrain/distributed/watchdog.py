@@ -151,6 +151,7 @@ _BEAT_EVERY = 1.0  # seconds between heartbeats; a rank silent for 4 of these is
 _waiting_for: list[int] | None = None  # world ranks this rank waits for now (None: computing)
 _finished = False  # this rank is done (it will never answer again)
 _heartbeat: tuple[threading.Thread, threading.Event] | None = None
+_heartbeat_since = 0.0  # when this rank started beating: a peer not heard from since is given as long
 _beat_sends: list = []
 beats: dict[int, tuple[float, dict]] = {}  # world rank -> (when heard, its last state)
 
@@ -164,10 +165,12 @@ def start_heartbeat() -> None:
     comm = _alert_comm
     if comm is None or comm.Get_size() == 1 or _heartbeat is not None:
         return
-    _finished = False
+    global _heartbeat_since
+    _finished, _heartbeat_since = False, time.monotonic()
     stop = threading.Event()
 
     def beat():
+        _post_beat(comm)
         while not stop.wait(_BEAT_EVERY):
             _post_beat(comm)
 
@@ -218,8 +221,8 @@ def _why_stuck(peers: list[int]) -> str | None:
         if rank in seen:
             continue
         seen.add(rank)
-        heard, state = beats.get(rank, (None, {}))
-        if heard is None or now - heard > 4 * _BEAT_EVERY:
+        heard, state = beats.get(rank, (_heartbeat_since, {}))
+        if now - heard > 4 * _BEAT_EVERY:
             reasons.append(f"rank {rank} has sent no heartbeat for over {4 * _BEAT_EVERY:g} s (stopped or frozen?)")
         elif state.get("finished"):
             reasons.append(f"rank {rank} has finished")
