@@ -13,12 +13,15 @@ GPU, without the copy counts (which only the stand-in keeps).
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 import pytest
 
 from tinytrain import backend
 from tinytrain import distributed as dist
 from tinytrain.backend import strict
+from tinytrain.bench import collectives as bench
 from tinytrain.distributed import p2p
 from tinytrain.distributed._mpi import MPI
 
@@ -196,3 +199,18 @@ def test_rank_binds_to_its_fake_gpu(on_device, monkeypatch):
             strict.xp.cuda.Device(3).use()
     finally:
         strict.xp.cuda.Device(bound).use()
+
+
+@pytest.mark.world_size(2)
+def test_bench_collectives_on_device_buffers(path, capsys):
+    """`tinytrain bench collectives --device`: ours on device buffers, MPI's own on device memory when
+    CUDA-aware, else on host buffers."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args("--device --sizes 4K --collectives all_reduce all_gather --rounds 1".split())
+    assert bench.run(args) == 0
+    if dist.get_rank() == 0:
+        out = capsys.readouterr().out
+        how = "CUDA-aware" if path == "cuda_aware" else "staged via host"
+        assert f"{backend.device} device buffers, MPI {how}" in out
+        assert len([line for line in out.splitlines() if line.startswith(("  all_reduce", "  all_gather"))]) == 2
