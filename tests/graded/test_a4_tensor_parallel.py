@@ -190,12 +190,18 @@ def test_parallel_mlp(impl):
     tp, g, t = impl.tensor_parallel, dist.world(), 4
     rng, seed = shared_rng()
     C = t * int(rng.integers(1, 4))
-    mlp = MLP(C, 4 * C, rng=np.random.default_rng(int(rng.integers(1 << 30))))
+    # With dropout (training mode): the parallel MLP must drop exactly the serial MLP's elements
+    # (masks are keyed by the module's site and the seed, so both draw the same ones).
+    mlp = MLP(C, 4 * C, dropout=0.3, rng=np.random.default_rng(int(rng.integers(1 << 30))))
+    mlp.dropout.site = "dropout"  # the site ParallelMLP(mlp, g, "") keys its masks with
     for p in mlp.parameters():
         p.data[...] += xp.asarray(rng.normal(scale=0.1, size=p.shape).astype(np.float32))
     x = rng.normal(size=(2, int(rng.integers(1, 6)), C)).astype(np.float32)
     upstream = rng.normal(size=x.shape).astype(np.float32)
-    check_layer(tp.ParallelMLP(mlp, g, ""), mlp, x, upstream, t, f"MLP width {C}, x {x.shape} (seed {seed})")
+    _random.manual_seed(seed)
+    check_layer(
+        tp.ParallelMLP(mlp, g, ""), mlp, x, upstream, t, f"MLP width {C} with dropout 0.3, x {x.shape} (seed {seed})"
+    )
 
 
 @pytest.mark.task("4.3")

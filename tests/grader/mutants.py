@@ -424,7 +424,7 @@ MUTANTS += [
         _TPL,
         "            y = F.linear(x, linear.weight, linear.bias)",
         "            y = linear(x)",
-        "attention",
+        "input gradient, \\d+ heads",
     ),
     M(
         "vocab_embedding_does_not_mask",
@@ -456,7 +456,7 @@ MUTANTS += [
         _TP,
         "        return reduce_scatter_along(grad, 1, ctx.group), None\n",
         "        return my_piece(grad, 1, ctx.group), None\n",
-        "sequence|reduce_scatter",
+        "gradient of|reduce_scatter",
     ),
 ]
 
