@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy
+
 from tinytrain.backend import xp
 
 # --------------------------------------------------------------------------------------------
@@ -188,8 +190,8 @@ class Function:
                 inputs.append(a)
                 needs.append(a.requires_grad)
                 any_needs = any_needs or a.requires_grad
-            else:
-                arrays.append(a)
+            else:  # a constant; a host array goes to the device (CuPy refuses to mix them)
+                arrays.append(xp.asarray(a) if xp is not numpy and isinstance(a, numpy.ndarray) else a)
                 inputs.append(None)
                 needs.append(False)
         record = any_needs and _GradMode.enabled
