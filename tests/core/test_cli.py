@@ -196,7 +196,7 @@ def test_resume_with_another_model_shape_names_the_parameter(tmp_path, capsys):
         (["--lr", "0.01", "--min-lr", "0.1"], "--min-lr must be between 0 and --lr 0.01, got 0.1"),
         (["--grad-clip", "-1"], "--grad-clip must be a positive norm .or 0 to disable clipping., got -1"),
         (["--block-size", "0"], "--block-size must be positive, got 0"),
-        (["--microbatches", "4"], "--microbatches splits a pipeline's batch: add --pp"),
+        (["--microbatches", "4"], "--chunks and --microbatches cut the batch for a pipeline: they need --pp 2"),
         (["--trace", "/nonexistent-folder/x.json"], "--trace .*the folder /nonexistent-folder does not exist"),
     ],
 )

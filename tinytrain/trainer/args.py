@@ -147,8 +147,6 @@ def check_args(args) -> None:
         raise ValueError(f"--weight-decay must be 0 or positive, got {args.weight_decay}")
     if args.block_size is not None and args.block_size <= 0:
         raise ValueError(f"--block-size must be positive, got {args.block_size}")
-    if args.microbatches is not None and args.pp == 1:
-        raise ValueError("--microbatches splits a pipeline's batch: add --pp N (N > 1), or drop --microbatches")
     if args.warmup is None:
         args.warmup = min(30, args.steps // 20)
     if args.warmup < 0:
