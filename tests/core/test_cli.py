@@ -482,3 +482,50 @@ def test_a_second_ctrl_c_stops_at_once():
         with pytest.raises(KeyboardInterrupt, match="interrupted twice: stopped at once"):
             interrupts.handle(signal.SIGINT, None)
     assert signal.getsignal(signal.SIGINT) is before  # restored after training
+
+
+def test_every_command_in_the_readme_parses_and_its_layout_fits_its_ranks():
+    """The README's `tinytrain ...` lines, as written: flags that exist, values the checks accept,
+    and for `mpirun -n N tinytrain train` a layout that fits N ranks (the run itself is not started)."""
+    import shlex
+    from pathlib import Path
+
+    from tinytrain.cli import build_parser
+    from tinytrain.nn import GPTConfig
+    from tinytrain.trainer.args import check_args, plan_of
+
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    commands = []
+    for line in readme.read_text().splitlines():
+        line = line.split(" #")[0].split("&&")[-1].strip().strip("`")
+        words = shlex.split(line) if line.startswith(("tinytrain ", "mpirun -n")) else []
+        if words[:1] == ["mpirun"]:
+            ranks, words = int(words[2]), words[3:]
+        else:
+            ranks = 1
+        if words[:1] == ["tinytrain"]:
+            commands.append((ranks, words[1:]))
+    assert len(commands) >= 20
+    parser = build_parser()
+    for ranks, argv in commands:
+        args = parser.parse_args(argv)
+        if args.command != "train":
+            continue
+        check_args(args)
+        if ranks > 1 and plan_of(args).is_serial:
+            args.dp = ranks  # what `mpirun -n N tinytrain train` does without a layout
+        if args.data == "addition":
+            dataset = AdditionDataset(args.digits)
+            vocab, block = dataset.vocab_size, dataset.block_size
+        else:
+            vocab, block = 64, args.block_size or 64
+        config = GPTConfig(
+            vocab_size=vocab,
+            block_size=block,
+            n_layer=args.layers,
+            n_head=args.heads,
+            n_embd=args.width,
+            n_experts=args.experts,
+            moe_top_k=args.topk or (min(2, args.experts) if args.experts else 2),
+        )
+        plan_of(args).check(ranks, config, args.batch_size)
