@@ -113,7 +113,12 @@ class CharDataset:
     name = "text"
 
     def __init__(self, path: str, block_size: int = 64):
-        text = Path(path).read_text(encoding="utf-8")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"--data {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); give a text file"
+            ) from None
         if len(text) < 10 * (block_size + 1):
             raise ValueError(
                 f"{path} has {len(text)} characters; with block size {block_size} it needs at "
