@@ -3,17 +3,16 @@ dtypes get an error in words on the rank that saw it, not garbage, with the debu
 
 Too few bytes arriving is caught by comparing MPI's count with the buffer; too many is MPI's
 "Message truncated", re-raised with the operation, step, both ranks, sizes and the caller's line.
+What the check costs is measured by ``tinytrain bench collectives --receive-check`` (tested in
+test_strict_device.py, on device buffers).
 """
 
 from __future__ import annotations
-
-import argparse
 
 import numpy as np
 import pytest
 
 from tinytrain import distributed as dist
-from tinytrain.bench import collectives as bench
 from tinytrain.distributed.p2p import CommError, MessageSizeMismatch
 
 
@@ -76,18 +75,3 @@ def test_all_gather_with_a_wrong_row_count_names_the_step(no_debug):
             raise
     if isinstance(err.value, MessageSizeMismatch):
         assert "ring all-gather step" in str(err.value) and "float32" in str(err.value)
-
-
-@pytest.mark.world_size(2)
-def test_bench_collectives_reports_the_cost_of_the_receive_check(capsys):
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    args = parser.parse_args("--sizes 4K --collectives all_reduce --algo ring --rounds 1 --receive-check".split())
-    assert bench.run(args) == 0
-    if dist.get_rank() == 0:
-        out = capsys.readouterr().out
-        assert "check %" in out
-        row = [line for line in out.splitlines() if line.strip().startswith("all_reduce")][0]
-        float(row.split()[-1])  # a number: the check's cost in percent of our time
-        line = [line for line in out.splitlines() if line.startswith("# receive check:")][0]
-        float(line.split()[3])  # ns per received message, measured on one process

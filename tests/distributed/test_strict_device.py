@@ -202,15 +202,22 @@ def test_rank_binds_to_its_fake_gpu(on_device, monkeypatch):
 
 
 @pytest.mark.world_size(2)
-def test_bench_collectives_on_device_buffers(path, capsys):
-    """`tinytrain bench collectives --device`: ours on device buffers, MPI's own on device memory when
-    CUDA-aware, else on host buffers."""
+def test_bench_collectives_on_device_buffers_with_the_cost_of_the_receive_check(path, capsys):
+    """`tinytrain bench collectives --device --receive-check`: ours on device buffers, MPI's own on
+    device memory when CUDA-aware, else on host buffers; and what checking each receive costs."""
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    args = parser.parse_args("--device --sizes 4K --collectives all_reduce all_gather --rounds 1".split())
+    args = parser.parse_args(
+        "--device --receive-check --sizes 4K --collectives all_reduce all_gather --rounds 1".split()
+    )
     assert bench.run(args) == 0
     if dist.get_rank() == 0:
         out = capsys.readouterr().out
         how = "CUDA-aware" if path == "cuda_aware" else "staged via host"
-        assert f"{backend.device} device buffers, MPI {how}" in out
-        assert len([line for line in out.splitlines() if line.startswith(("  all_reduce", "  all_gather"))]) == 2
+        assert f"{backend.device} device buffers, MPI {how}" in out and "check %" in out
+        rows = [line for line in out.splitlines() if line.startswith(("  all_reduce", "  all_gather"))]
+        assert len(rows) == 2
+        for row in rows:
+            float(row.split()[-1])  # the check's cost in percent of our time
+        line = [line for line in out.splitlines() if line.startswith("# receive check:")][0]
+        float(line.split()[3])  # ns per received message, measured on one process
