@@ -127,3 +127,32 @@ def test_peer_failure_is_noticed_in_milliseconds(monkeypatch):
             dist.recv(np.empty(4), src=1)
         assert "recv from rank 1" in str(err.value)
         assert time.monotonic() - start < 5  # far below the 30 s deadline
+
+
+@pytest.mark.world_size(2)
+def test_heartbeats_tell_a_busy_peer_from_a_deadlock(monkeypatch):
+    """With heartbeats (as `tinytrain train` runs), a wait past TINYTRAIN_TIMEOUT goes on while the
+    peer computes, and ends soon after the deadline when the peer waits too (here: for this rank)."""
+    from tinytrain.distributed import watchdog
+
+    monkeypatch.setenv("TINYTRAIN_TIMEOUT", "1")
+    monkeypatch.setenv("TINYTRAIN_DEBUG", "0")
+    watchdog.start_heartbeat()
+    try:
+        x = np.zeros(4)
+        if dist.get_rank() == 1:
+            time.sleep(5.5)  # computing: past the deadline, and past the 4 s a silent rank is given
+            dist.send(np.ones(4), dst=0)
+        else:
+            dist.recv(x, src=1)  # an honest long wait: no error
+            assert (x == 1).all()
+        start = time.monotonic()
+        with pytest.raises(dist.CommTimeout) as err:  # both receive first: a deadlock
+            dist.recv(x, src=1 - dist.get_rank())
+        # Each rank sees the cycle, or (if the other rank saw it first, raised and stopped beating)
+        # a peer that has gone silent: a rank that left the wait will never send.
+        message = str(err.value)
+        assert "Ranks [0, 1] are all waiting, for each other" in message or "has sent no heartbeat" in message
+        assert time.monotonic() - start < 7, message
+    finally:
+        watchdog.stop_heartbeat()
