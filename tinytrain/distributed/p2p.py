@@ -132,7 +132,7 @@ class Exchange:
             backend.synchronize()  # the kernel writing buf must finish before MPI reads it
             # A host copy (kept alive by the request below), or the device memory itself.
             buf = backend.device_buffer(buf) if cuda_aware() else backend.to_host(buf)
-        self._post(lambda: self.group.comm.Isend(buf, dest=peer, tag=tag), "send to", peer, buf, None)
+        self._post(lambda: self.group.comm.Isend([buf, MPI.BYTE], dest=peer, tag=tag), "send to", peer, buf, None)
         stats.count_send(self.group.name, self.op, buf.nbytes, peer=self.group.world_rank(peer))
         self.nbytes += buf.nbytes
 
@@ -145,7 +145,9 @@ class Exchange:
             else:
                 target = numpy.empty(buf.shape, dtype=buf.dtype)
                 self.after.append(lambda: buf.__setitem__(Ellipsis, backend.asarray(target)))
-        self._post(lambda: self.group.comm.Irecv(target, source=peer, tag=tag), "recv from", peer, buf, buf)
+        # As bytes on both sides: a message of another dtype is then only a byte count to compare (below)
+        # and never reaches MPI's typed unpacking, which asserts and can abort before we can say why.
+        self._post(lambda: self.group.comm.Irecv([target, MPI.BYTE], source=peer, tag=tag), "recv from", peer, buf, buf)
         stats.count_recv(self.group.name, self.op, buf.nbytes, peer=self.group.world_rank(peer))
 
     def _post(self, start, label: str, peer: int, buf, expect) -> None:
