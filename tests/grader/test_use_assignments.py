@@ -46,5 +46,7 @@ assert alg._ring_reduce_scatter is a1._ring_reduce_scatter
 assert "tinytrain.parallel.data_parallel.BucketedDDP" in swapped
 print("ok", len(swapped))
 """
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=mpi_environment(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr
