@@ -11,6 +11,7 @@ import sys
 import numpy
 import pytest
 
+from grader.run import mpi_environment  # a subprocess must not think it is this rank
 from tinytrain import checkpoint
 from tinytrain.cli import main
 from tinytrain.data import AdditionDataset
@@ -258,7 +259,7 @@ def test_train_and_sample_on_a_text_file(tmp_path, capsys):
 
 
 def test_module_help_in_a_subprocess():
-    env = dict(os.environ, TINYTRAIN_DEVICE="cpu")
+    env = dict(mpi_environment(), TINYTRAIN_DEVICE="cpu")
     r = subprocess.run(
         [sys.executable, "-m", "tinytrain.cli", "--help"], capture_output=True, text=True, env=env, timeout=120
     )
@@ -272,7 +273,7 @@ def test_module_help_in_a_subprocess():
 
 
 def test_bad_arguments_in_a_subprocess_exit_nonzero_with_the_message(tmp_path):
-    env = dict(os.environ, TINYTRAIN_DEVICE="cpu")
+    env = dict(mpi_environment(), TINYTRAIN_DEVICE="cpu")
     r = subprocess.run(
         [sys.executable, "-m", "tinytrain.cli", "train", "--steps", "0", "--out", str(tmp_path)],
         capture_output=True,
@@ -449,7 +450,7 @@ def test_the_resume_banner_counts_the_steps_left(tmp_path, capsys):
 
 
 def test_the_debug_flag_shows_the_traceback(tmp_path):
-    env = dict(os.environ, TINYTRAIN_DEVICE="cpu")
+    env = dict(mpi_environment(), TINYTRAIN_DEVICE="cpu")
     env.pop("TINYTRAIN_DEBUG", None)
     argv = [sys.executable, "-m", "tinytrain.cli", "train", "--lr", "nan", "--out", str(tmp_path)]
     quiet = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
@@ -529,3 +530,23 @@ def test_every_command_in_the_readme_parses_and_its_layout_fits_its_ranks():
             moe_top_k=args.topk or (min(2, args.experts) if args.experts else 2),
         )
         plan_of(args).check(ranks, config, args.batch_size)
+
+
+@pytest.mark.parametrize("device, says", [("bogus", "is not one of cpu, gpu, auto, strict"), ("gpu", "")])
+def test_a_bad_device_setting_is_one_sentence(tmp_path, device, says):
+    """The device is chosen when the backend is first imported; that happens inside the command (the
+    package imports it lazily), so a bad TINYTRAIN_DEVICE is a sentence, not an import traceback."""
+    env = dict(mpi_environment(), TINYTRAIN_DEVICE=device)
+    env.pop("TINYTRAIN_DEBUG", None)
+    argv = [sys.executable, "-m", "tinytrain.cli", "train", "--steps", "1", "--out", str(tmp_path)]
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    if device == "gpu" and r.returncode == 0:
+        pytest.skip("CuPy and a GPU are here: TINYTRAIN_DEVICE=gpu is not bad input on this machine")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(
+        f"tinytrain train: error: TINYTRAIN_DEVICE={device!r}"
+        if says
+        else "tinytrain train: error: TINYTRAIN_DEVICE=gpu"
+    )
+    assert says in r.stderr
