@@ -14,18 +14,21 @@ The API follows ``torch.distributed``::
 
 Files, in reading order (each imports only files above it): ``watchdog.py`` (deadlines, peer
 failure), ``group.py`` (init, groups), ``mesh.py`` (the device mesh), ``p2p.py`` (send/recv, the
-``Exchange`` step every algorithm is built from), ``stats.py`` (bytes), ``work.py`` (a call's
+``Exchange`` step every algorithm is built from; every receive checks the bytes that arrived),
+``stats.py`` (bytes, per group, operation and peer), ``work.py`` (a call's
 steps, async handles, progress, debug-mode signature checks), ``chunks.py``, ``doubling.py`` and
 ``rooted.py`` (the latency-optimal and the root-centred algorithms, the stand-ins), ``checks.py``,
 ``choice.py`` and ``collectives.py`` (the public functions, their argument checks and choice of
 algorithm, over a module of algorithms), ``algorithms.py`` (ring, pairwise and tree algorithms with
 their diagrams: assignment 1 is made from it; ``all_reduce`` and the others exported here are bound
-at its end), ``trace_merge.py`` (``tinytrain.trace.merge`` over our all-gather).
+at its end), ``trace_merge.py`` (``tinytrain.trace.merge`` over our all-gather, and
+``comm_matrix``: who sent how many bytes to whom in a ``comm_stats`` block).
 
 Environment: ``TINYTRAIN_TIMEOUT`` (seconds per wait, default 20; ``TINYTRAIN_BUSY_TIMEOUT`` while the
 awaited ranks compute, see ``watchdog.py``), ``TINYTRAIN_DEBUG=1``
 (cross-check collective signatures), ``TINYTRAIN_TRACE=1`` (record spans, see tinytrain.trace),
-``TINYTRAIN_CUDA_AWARE_MPI=0|1`` (override detection), ``TINYTRAIN_SPIN`` (polls before a waiting
+``TINYTRAIN_CUDA_AWARE_MPI=0|1`` (override detection; with ``TINYTRAIN_DEVICE=strict`` the GPU paths
+run on a stand-in for CuPy, see ``tinytrain.backend``), ``TINYTRAIN_SPIN`` (polls before a waiting
 rank yields its core), ``TINYTRAIN_GPU=<index>`` (the GPU every rank of this process uses; by default
 ``init()`` gives local rank r GPU r mod the number of GPUs, see ``tinytrain.backend``).
 """
@@ -54,8 +57,20 @@ from .group import (
     world,
 )
 from .mesh import DeviceMesh
-from .p2p import P2PWork, cuda_aware, irecv, isend, recv, send, sendrecv
+from .p2p import (
+    CommError,
+    MessageSizeMismatch,
+    P2PWork,
+    cuda_aware,
+    cuda_aware_reason,
+    irecv,
+    isend,
+    recv,
+    send,
+    sendrecv,
+)
 from .stats import CommStats, comm_stats, totals
+from .trace_merge import comm_matrix
 from .watchdog import CollectiveMismatch, CommTimeout, DistributedError, PeerFailure, report_failure
 from .work import Work, progress_all, start_progress_thread, stop_progress_thread
 
