@@ -1,6 +1,7 @@
 """``tinytrain bench step``: one GPT training step in tinytrain vs the same model in PyTorch.
 
-Both run on the CPU in the same process, float32, with the same number of threads, from the
+Both run on the CPU in the same process (on a GPU machine, both on the GPU: tinytrain with CuPy,
+PyTorch with CUDA), float32, with the same number of threads, from the
 same initial weights and the same batch; their step times are measured interleaved (tinytrain,
 PyTorch, tinytrain, ...) so that load from elsewhere hits both alike, and the ratio of the
 medians is reported. The first step's losses are compared too: if they differ, the two models
@@ -21,7 +22,7 @@ import time
 import numpy
 
 from tinytrain import functional as F
-from tinytrain.backend import device, xp
+from tinytrain.backend import device, to_host, xp
 from tinytrain.nn import GPT, GPTConfig
 from tinytrain.optim import AdamW
 
@@ -40,8 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the rows to this file")
 
 
+def torch_device(torch) -> str:
+    """Where PyTorch runs: on the GPU when tinytrain does and PyTorch can, else on the CPU."""
+    return "cuda" if device == "gpu" and torch.cuda.is_available() else "cpu"
+
+
 def torch_gpt(model: GPT, torch):
-    """The same GPT in PyTorch, with tinytrain's weights copied in."""
+    """The same GPT in PyTorch, with tinytrain's weights copied in, on :func:`torch_device`."""
     nn, tF = torch.nn, torch.nn.functional
     cfg = model.config
 
@@ -70,7 +76,7 @@ def torch_gpt(model: GPT, torch):
             self.ln_f = nn.LayerNorm(cfg.n_embd)
 
         def forward(self, ids):
-            x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+            x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
             for b in self.blocks:
                 x = b(x)
             return self.ln_f(x) @ self.wte.weight.T  # tied head
@@ -79,11 +85,11 @@ def torch_gpt(model: GPT, torch):
     ours = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in tm.named_parameters():
-            src = numpy.asarray(ours[name].data)
+            src = to_host(ours[name].data)
             if isinstance(tm.get_submodule(name.rsplit(".", 1)[0]), nn.Linear) and name.endswith("weight"):
                 src = src.T  # tinytrain's Linear weight is (in, out); PyTorch's is (out, in)
             p.copy_(torch.from_numpy(src.copy()))
-    return tm
+    return tm.to(torch_device(torch))
 
 
 def _time_steps(step_fns, steps):
@@ -128,7 +134,7 @@ def bench_config(name, steps, torch):
 
     tm = torch_gpt(model, torch)
     topt = torch.optim.AdamW(tm.parameters(), lr=1e-4, weight_decay=0.0)
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+    tx, ty = (torch.from_numpy(a).to(torch_device(torch)) for a in (x, y))
 
     def theirs():
         loss = torch.nn.functional.cross_entropy(tm(tx).flatten(0, 1), ty.flatten())
@@ -155,8 +161,6 @@ def run(args) -> int:
         raise ValueError(f"--steps must be positive, got {args.steps}")
     if args.threads is not None and args.threads <= 0:
         raise ValueError(f"--threads must be positive, got {args.threads}")
-    if device != "cpu":
-        print("note: tinytrain runs on the GPU here; the PyTorch reference is on the CPU", flush=True)
     threads = args.threads or os.cpu_count()
     try:
         import torch
@@ -168,6 +172,9 @@ def run(args) -> int:
             "PyTorch is not importable: timing tinytrain alone (no ratio). "
             '`pip install -e ".[bench]"` (or `pip install torch`) to compare.'
         )
+    if device != "cpu":
+        where = torch_device(torch) if torch is not None else "-"
+        print(f"note: tinytrain runs on its {device} device here; PyTorch on {where}", flush=True)
     try:
         from threadpoolctl import threadpool_limits
 
