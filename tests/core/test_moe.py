@@ -275,4 +275,18 @@ def test_gpt_with_experts_every_parameter_gets_a_gradient(k):
     (loss + 0.01 * aux).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None, name
-        assert numpy.abs(host(p.grad)).sum() > 0, name
+        # an expert that the router sent no token this batch (it happens with 32 random tokens)
+        # has an exact zero gradient; every other parameter must have a nonzero one
+        layer, expert = _expert_of(name)
+        if expert is not None and model.blocks[layer].mlp.last_counts[expert] == 0:
+            assert numpy.abs(host(p.grad)).sum() == 0, name
+        else:
+            assert numpy.abs(host(p.grad)).sum() > 0, name
+
+
+def _expert_of(name: str) -> tuple[int | None, int | None]:
+    """(block, expert) of an expert's parameter name ``blocks.L.mlp.experts.E....``, else Nones."""
+    parts = name.split(".")
+    if len(parts) > 4 and parts[0] == "blocks" and parts[2:4] == ["mlp", "experts"]:
+        return int(parts[1]), int(parts[4])
+    return None, None
