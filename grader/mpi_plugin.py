@@ -91,9 +91,16 @@ def test_deadline(item=None) -> float:
     return float(os.environ.get("TINYTRAIN_TEST_TIMEOUT", "180"))
 
 
+_ABORT_GRACE = 0.3  # seconds
+
+
 def _abort(code: int) -> None:
     """End every rank of the job now with exit status ``code``."""
     sys.stderr.flush()
+    sys.__stderr__.flush()
+    # The launcher forwards our output through a pipe; MPI_Abort tears the job down at once and can
+    # drop what is still in flight (seen once: exit 86 with no message), so give it a moment.
+    time.sleep(_ABORT_GRACE)
     try:
         _mpi().COMM_WORLD.Abort(code)
     finally:
@@ -174,12 +181,28 @@ def pytest_collection_finish(session):
     errors = [getattr(r, "longreprtext", str(r))[-1500:] for r in (reporter.stats.get("error", []) if reporter else [])]
     mine = (len(session.items), zlib.crc32(ids.encode()), errors)
     everyone = _gather_to_all(mine, "the other ranks to collect the tests", test_deadline())
-    if len({(n, crc) for n, crc, _ in everyone}) > 1 and _rank == 0:
+    if len({(n, crc) for n, crc, _ in everyone}) == 1:
+        return
+    # Every rank sees the mismatch: gather the ids too, so the message can name the first difference
+    # (same counts, different ids: a test parametrized with values drawn differently on each rank).
+    all_ids = _gather_to_all([item.nodeid for item in session.items], "the other ranks' test ids", test_deadline())
+    if _rank == 0:
         lines = [
-            f"rank {r}: {n} tests" + (f", collection error:\n{e[0]}" if e else "")
-            for r, (n, _, e) in enumerate(everyone)
+            f"rank {r}: {n} tests" + (f", collection error:\n{e[0]}" if e else _first_difference(all_ids[0], theirs))
+            for r, ((n, _, e), theirs) in enumerate(zip(everyone, all_ids))
         ]
-        fatal("the ranks collected different tests (an import that fails on some ranks only?):\n" + "\n".join(lines))
+        fatal(
+            "the ranks collected different tests (an import that fails on some ranks only, or test ids "
+            "drawn at random?):\n" + "\n".join(lines)
+        )
+
+
+def _first_difference(mine: list[str], theirs: list[str]) -> str:
+    """Where another rank's test ids first differ from rank 0's ('' when they do not)."""
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            return f"; test {i + 1} is {b} (rank 0 has {a})"
+    return ""
 
 
 def _silence(config) -> None:

@@ -177,6 +177,9 @@ def _abort(code: int) -> None:
     without MPI would leave the others waiting for it forever)."""
     from tinytrain.distributed._mpi import MPI
 
+    sys.stderr.flush()
+    # mpirun forwards our output through a pipe; an abort at once can drop what is still in flight
+    time.sleep(0.3)
     MPI.COMM_WORLD.Abort(code)
 
 

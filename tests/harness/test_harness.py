@@ -203,3 +203,20 @@ def test_an_error_escaping_the_harness_on_one_rank_ends_the_job_at_once_saying_i
     assert out.count("the ranks collected different tests") == 1, out
     assert "rank 3: 0 tests, collection error" in out and "no_such_module_on_rank_3" in out, out
     assert seconds < 30, f"took {seconds:.0f} s\n{out}"
+
+
+@needs_mpirun
+def test_ranks_with_different_test_ids_end_the_job_naming_the_first_difference(tmp_path):
+    source = """
+    import pytest
+    from tinytrain.distributed._mpi import MPI
+
+    @pytest.mark.parametrize("drawn", [MPI.COMM_WORLD.Get_rank()])  # as if drawn at random per rank
+    def test_one(drawn):
+        pass
+    """
+    proc, out, seconds = run_pytest(tmp_path, source, 2)
+    assert proc.returncode == 86, out  # EXIT_ERROR
+    assert out.count("the ranks collected different tests") == 1, out
+    assert "rank 1: 1 tests; test 1 is test_injected.py::test_one[1] (rank 0 has test_injected.py::test_one[0])" in out
+    assert seconds < 30, f"took {seconds:.0f} s\n{out}"
