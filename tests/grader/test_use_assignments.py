@@ -11,21 +11,11 @@ from grader.run import mpi_environment
 
 pytestmark = pytest.mark.deadline(300)
 
-SCRIPT = """
-import sys
-from assignments.use import use_assignments
-from tinytrain.cli import main
 
-use_assignments()
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def test_swapped_in_code_is_what_the_cli_runs_so_a_stub_stops_the_run_at_its_todo(tmp_path):
-    script = tmp_path / "run_mine.py"
-    script.write_text(SCRIPT)
-    cmd = [shutil.which("mpirun") or "mpirun", "-n", "2", sys.executable, str(script), "train", "--pp", "2"]
+def test_impl_assignments_runs_the_students_code_so_a_stub_stops_the_run_at_its_todo(tmp_path):
+    cmd = [shutil.which("mpirun") or "mpirun", "-n", "2", sys.executable, "-m", "tinytrain.cli", "train", "--pp", "2"]
     cmd += ["--layers", "2", "--width", "16", "--steps", "1", "--quiet", "--no-plot", "--out", str(tmp_path / "o")]
+    cmd += ["--impl", "assignments"]
     proc = subprocess.run(cmd, cwd=ROOT, env=mpi_environment(), capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     # The checked-in assignments are stubs: the run reaches the student's pipeline code and stops

@@ -6,6 +6,7 @@ Only argparse runs at import: ``tinytrain --help`` must not start MPI.
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 
 from tinytrain.nn import GPT, GPTConfig
@@ -126,6 +127,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="which positions a context rank holds: chunks r and 2N-1-r (balanced under the causal mask), or chunk r",
     )
     run.add_argument("--quiet", action="store_true", help="no progress output")
+    run.add_argument(
+        "--impl",
+        choices=("reference", "assignments"),
+        default="reference",
+        help="run tinytrain's chapters (reference) or your code in assignments/ (a student copy's chapters are stubs)",
+    )
 
 
 def check_args(args) -> None:
@@ -179,3 +186,18 @@ def build_model(args, dataset) -> GPT:
         moe_aux_weight=args.aux_loss_weight,
     )
     return GPT(config, seed=args.seed)
+
+
+def use_implementation(impl: str) -> None:
+    """``--impl assignments``: every function and class an assignment file defines replaces the
+    reference's, so the run trains on the student's code (``assignments/use.py`` says how). Loaded by
+    name: assignments/ sits beside the package, in the course repository, not inside tinytrain."""
+    if impl == "reference":
+        return
+    try:
+        use = importlib.import_module("assignments.use")
+    except ModuleNotFoundError as exc:
+        raise ValueError(
+            "--impl assignments needs the course repository's assignments/ folder: run from its root"
+        ) from exc
+    use.use_assignments()

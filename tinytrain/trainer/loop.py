@@ -35,7 +35,14 @@ from tinytrain.autograd import no_grad
 from tinytrain.backend import device
 from tinytrain.data import AdditionDataset, load_dataset
 from tinytrain.optim import SGD, AdamW, WarmupCosine
-from tinytrain.trainer.args import add_arguments, build_model, check_args, model_mismatch, plan_of
+from tinytrain.trainer.args import (
+    add_arguments,
+    build_model,
+    check_args,
+    model_mismatch,
+    plan_of,
+    use_implementation,
+)
 from tinytrain.trainer.runners import launched_world, make_runner
 
 __all__ = ["add_arguments", "run"]
@@ -124,6 +131,7 @@ def train(args) -> int:
     out = prepare_outputs(args)
     default_layout(args)
     dataset = load_dataset(args.data, args.block_size, args.digits)
+    use_implementation(args.impl)  # before the model and the schedules are built
     model = build_model(args, dataset)
     runner = make_runner(model, plan_of(args), args.batch_size)
     optimizer, schedule = build_optimizer(args, runner.parameters())
