@@ -97,6 +97,10 @@ class Progress:
 
 def grade(args) -> int:
     rubric = load_rubric()
+    for flag, value in (("--ranks", args.ranks), ("--timeout", args.timeout)):
+        if not value > 0:  # also refuses nan
+            print(f"error: {flag} must be positive, got {value:g}", file=sys.stderr)
+            return 2
     if not 0 < args.comm_timeout < harness_deadline(args.timeout):
         print(
             f"error: --comm-timeout {args.comm_timeout:g} must be positive and below the harness's deadline "

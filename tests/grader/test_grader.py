@@ -227,3 +227,25 @@ def test_solved_package_assignment_from_a_folder_scores_full_marks(tmp_path):
     """The folder's package is graded, not the stubs in assignments/ (its files import each other)."""
     results, text = grade(tmp_path, "--assignments", str(package_copy(tmp_path, solved=True)), "--tasks", "4.1,4.2")
     assert results["score"] == results["max_score"] == 40, text
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ranks", "0"], "error: --ranks must be positive, got 0"),
+        (["--timeout", "-1"], "error: --timeout must be positive, got -1"),
+        (["--tasks", "9.9"], "error: --tasks 9.9 matches no task"),
+    ],
+)
+def test_bad_input_is_one_sentence_with_exit_code_2(args, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "grader", *args],
+        cwd=ROOT,
+        env=mpi_environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
