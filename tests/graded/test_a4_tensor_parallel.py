@@ -88,8 +88,17 @@ def test_region_functions(impl):
     x = leaf(piece(whole, -1, t, r))
     out = tp.GatherFromRegion.apply(x, group=g)
     close(out, whole, f"GatherFromRegion forward concatenates the pieces along the last axis, {what}")
-    out.backward(xp.asarray(upstream[0]))
+    with dist.comm_stats() as s:
+        out.backward(xp.asarray(upstream[0]))
     close(x.grad, piece(upstream[0], -1, t, r), f"GatherFromRegion backward keeps my piece, {what}")
+    # The gathered tensor is whole and the same on every rank, so its gradient is too: backward
+    # splits (0 bytes). An all-reduce or reduce-scatter (divided by t to fix the values) sends
+    # 2(t-1)/t or (t-1)/t of the gradient's bytes for nothing.
+    talk = {op: sent(s, op) for _, op in s.rows if op != "debug_check" and sent(s, op)}  # not the harness's checks
+    assert not talk, (
+        f"GatherFromRegion backward sent {sum(talk.values())} bytes ({', '.join(talk)}); it must only keep my "
+        f"piece of the gradient (the same on every rank), sending nothing, {what}\n{s.table()}"
+    )
 
     x = leaf(whole)
     out = tp.ScatterToRegion.apply(x, group=g)

@@ -395,6 +395,14 @@ MUTANTS += [
         "GatherFromRegion",
     ),
     M(
+        "gather_from_region_backward_reduce_scatters",  # "the transpose of all-gather", /t to fix the values
+        "4.1",
+        _TP,
+        "        return my_piece(grad, -1, ctx.group), None\n",
+        "        return reduce_scatter_along(grad, -1, ctx.group) / dist.get_world_size(ctx.group), None\n",
+        "GatherFromRegion backward sent \\d+ bytes",
+    ),
+    M(
         "row_parallel_adds_the_bias_on_every_rank",
         "4.2",
         _TPL,
