@@ -283,6 +283,37 @@ def test_vocab_parallel_cross_entropy_never_sees_full_logits(impl):
     close(mine.grad, piece(full.grad, -1, t, r), f"gradient of my logits, {what}")
 
 
+@pytest.mark.task("4.4")
+@pytest.mark.world_size(4)
+def test_vocab_parallel_cross_entropy_is_stable_on_extreme_logits(impl):
+    """Logits of magnitude 1e4 (rows all near +1e4, all near -1e4, one spike, ±1e4 spread): exp
+    overflows (or every term underflows to 0) unless each row's global max is subtracted first.
+    In float64, so the serial loss is exact enough to compare with."""
+    tp, g, t, r = impl.tensor_parallel, dist.world(), 4, dist.get_rank()
+    rng, seed = shared_rng()
+    V, N = t * int(rng.integers(2, 5)), 8
+    logits = rng.normal(size=(N, V)) * 5
+    logits[0] += 1e4  # every logit near +1e4
+    logits[1] -= 1e4  # every logit near -1e4
+    logits[2, int(rng.integers(0, V))] = 1e4  # one spike
+    logits[3] *= 2e3  # ±1e4 spread
+    targets = rng.integers(0, V, size=N)
+    what = f"{N} rows of {V} float64 logits, rows 0-3 of magnitude 1e4 (seed {seed})"
+    full = Tensor(xp.asarray(logits), requires_grad=True)
+    want = F.cross_entropy(full, xp.asarray(targets))
+    want.backward()
+    mine = Tensor(xp.asarray(np.ascontiguousarray(piece(logits, -1, t, r))), requires_grad=True)
+    got = tp.vocab_parallel_cross_entropy(mine, targets, g, vocab_start=r * V // t)
+    got.backward()
+    loss, grad = to_host(got.data), to_host(mine.grad)
+    assert np.isfinite(loss) and np.isfinite(grad).all(), (
+        f"vocab-parallel cross-entropy is not finite on large logits (loss {loss}; {np.isfinite(grad).mean():.0%} "
+        f"of the gradient finite): exp(logit) overflows; subtract each row's global max first, {what}"
+    )
+    close(got, want.data, f"loss on large logits, {what}")
+    close(mine.grad, piece(full.grad, -1, t, r), f"gradient of my logits on large logits, {what}")
+
+
 # --- 4.4 / 4.5 the whole GPT ------------------------------------------------------------------------------
 
 

@@ -451,6 +451,15 @@ MUTANTS += [
         "cross|loss|logits",
     ),
     M(
+        "cross_entropy_without_the_max_shift",  # log Σ exp(z) - z_target: right on small logits
+        "4.4",
+        A4 + "cross_entropy.py",
+        "        probs = xp.exp(flat - row_max[:, None])\n",
+        "        probs = xp.exp(flat)\n",
+        "not finite on large logits",
+        more=(("(xp.log(total) + row_max - target_logit)", "(xp.log(total) - target_logit)"),),
+    ),
+    M(
         "sequence_parallel_dropout_not_sharded",
         "4.5",
         _TPL,
