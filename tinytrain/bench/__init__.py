@@ -13,6 +13,7 @@ import importlib
 BENCHMARKS = {
     "step": "one GPT training step, tinytrain vs PyTorch on the CPU",
     "collectives": "hand-written collectives vs MPI's own (run under mpirun)",
+    "strategies": "one training step under every parallel strategy: time, bytes, memory (mpirun -n 4)",
 }
 
 

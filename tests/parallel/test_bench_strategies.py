@@ -1,0 +1,67 @@
+"""`tinytrain bench strategies`: every strategy's step on 4 ranks, as a table and as JSON."""
+
+import argparse
+import json
+
+import pytest
+
+from tinytrain import distributed as dist
+from tinytrain.bench import strategies as bench
+from tinytrain.planner import ModelSpec, run_bytes
+
+
+def _run(tmp_path, *extra):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / f"rows{dist.get_rank()}.json"
+    args = parser.parse_args(["--steps", "1", "--n-embd", "16", "--block-size", "8", "--json", str(out), *extra])
+    assert bench.run(args) == 0
+    return out
+
+
+@pytest.mark.world_size(4)
+def test_every_strategy_has_a_row_with_time_bytes_and_memory(tmp_path, capsys):
+    out = _run(tmp_path)
+    if dist.get_rank() != 0:
+        assert not out.exists()
+        return
+    rows = {r["strategy"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == list(bench.STRATEGIES)
+    for name, r in rows.items():
+        ranks = 1 if name == "serial" else 4
+        assert r["ranks"] == ranks and r["time_ms"] > 0
+        for key in ("sent_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes"):
+            assert len(r[key]) == ranks, (name, key)
+        assert all(a > 0 for a in r["activations_bytes"]), name
+        assert r["peak_bytes"] == [sum(r[f"{k}_bytes"][i] for k in bench.MEMORY_KEYS) for i in range(ranks)]
+    serial = rows["serial"]
+    psi_bytes = serial["params_bytes"][0]
+    assert serial["sent_bytes"] == [0]
+    assert serial["grads_bytes"] == [psi_bytes] and serial["optimizer_bytes"] == [2 * psi_bytes]  # AdamW: m, v
+    # DP: every rank holds the whole model and sends a ring all-reduce of the gradients (+ the loss)
+    assert rows["dp"]["params_bytes"] == [psi_bytes] * 4
+    # DP and ZeRO send what the planner says a step of `tinytrain train --dp 4 --zero N` sends (exact)
+    spec = ModelSpec(layers=8, hidden=16, heads=4, vocab=32, seq=8, batch=8)
+    assert 4 * spec.parameters == psi_bytes
+    for stage, name in enumerate(("dp", "zero1", "zero2", "zero3")):
+        assert sum(rows[name]["sent_bytes"]) == sum(run_bytes(spec, dp=4, zero=stage).values()), name
+    # ZeRO shards what its stage says: optimizer state (1), + gradients (2), + parameters (3)
+    for stage in (1, 2, 3):
+        r = rows[f"zero{stage}"]
+        assert max(r["optimizer_bytes"]) < 2 * psi_bytes / 4 + 4096, stage
+        assert (max(r["grads_bytes"]) < psi_bytes) == (stage >= 2), stage
+        assert (max(r["params_bytes"]) < psi_bytes) == (stage == 3), stage
+    # TP and PP split the model: no rank holds all of it
+    for name in ("tp", "tp+sp", "pp-gpipe", "pp-1f1b", "pp-interleaved"):
+        assert max(rows[name]["params_bytes"]) < psi_bytes, name
+        assert min(rows[name]["sent_bytes"]) > 0, name
+    printed = capsys.readouterr().out
+    assert "x serial = this strategy's step time / the serial step time" in printed
+    for name in bench.STRATEGIES:
+        assert f"  {name} " in printed
+
+
+@pytest.mark.world_size(4)
+def test_bad_sizes_are_refused_in_one_sentence(tmp_path):
+    with pytest.raises(ValueError, match="--n-layer must be a positive multiple of 8"):
+        _run(tmp_path, "--n-layer", "6")
