@@ -38,6 +38,9 @@ __all__ = [
     "zero_memory",
     "data_parallel_volume",
     "tensor_parallel_volume",
+    "vocab_parallel_volume",
+    "pipeline_volume",
+    "context_parallel_volume",
     "activation_bytes_per_layer",
     "gpt_parameters",
     "gpt_flops",
@@ -126,6 +129,54 @@ def tensor_parallel_volume(activation_bytes: float, t: int, passes: int = 2) -> 
     forward adds one): two all-reduces of one (b, s, h) activation per pass, 4(t-1)/t·A, the same
     bytes under SP as all-gathers + reduce-scatters (a4 handout, section 6)."""
     return passes * 2 * collective_bytes("all_reduce", activation_bytes, t)
+
+
+def vocab_parallel_volume(
+    activation_bytes: float, token_bytes: float, t: int, sp: bool = False, partial_bytes: float = 0
+) -> dict:
+    """Bytes each rank sends per step outside the blocks under TP, by collective: the
+    vocabulary-parallel embedding (an all-reduce of the t partial lookups, forward), the tied head
+    (an all-reduce of its input's gradient, backward) and the vocabulary-parallel cross-entropy
+    (three all-reduces of one number per token, ``token_bytes``: row max, sum of exponentials,
+    target logit). Under SP tinytrain keeps the embedding's all-reduce (then scatters; backward
+    all-gathers), the head all-gathers the sequence (backward reduce-scatters), and the gradients
+    of the replicated weights that saw only my tokens (``partial_bytes``: LayerNorms, row biases)
+    are all-reduced."""
+    activation, tokens, partial = (
+        collective_bytes("all_reduce", x, t) for x in (activation_bytes, token_bytes, partial_bytes)
+    )
+    if not sp:
+        return {"all_reduce": 2 * activation + 3 * tokens}
+    return {
+        "all_reduce": activation + 3 * tokens + partial,
+        "all_gather": 2 * collective_bytes("all_gather", activation_bytes, t),
+        "reduce_scatter": collective_bytes("reduce_scatter", activation_bytes, t),
+    }
+
+
+# --- pipeline and context parallel --------------------------------------------------------------------
+
+
+def pipeline_volume(boundary_bytes: float, p: int, m: int) -> float:
+    """Bytes all p stages of one pipeline send per step: at each of the p - 1 boundaries every
+    micro-batch's activation goes forward and its gradient back, 2m messages of one micro-batch's
+    (b, s, h) (``boundary_bytes``; /t under SP). GPipe and 1F1B send the same messages, in another order."""
+    return (p - 1) * 2 * m * collective_bytes("send", boundary_bytes, 2)
+
+
+def context_parallel_volume(activation_bytes: float, cp: int, algo: str = "ring") -> float:
+    """Bytes each of ``cp`` ranks sends per attention layer, forward + backward, for one local
+    (b, s/cp, h) tensor of ``activation_bytes``. Ring attention passes K and V (2 tensors) cp - 1
+    hops forward and K, V and their gradients 2cp - 1 hops backward: (3cp - 2)·2A. Ulysses
+    (``alltoall``) turns q, k, v from sequence to head shards and the output back, 4 all-to-alls
+    per pass."""
+    if cp == 1:
+        return 0.0
+    if algo == "ring":
+        return (3 * cp - 2) * 2 * activation_bytes
+    if algo == "alltoall":
+        return 2 * 4 * collective_bytes("all_to_all", activation_bytes, cp)
+    raise ValueError(f"no context-parallel formula for {algo!r}: use ring or alltoall")
 
 
 def activation_bytes_per_layer(

@@ -10,25 +10,90 @@ from tinytrain.parallel.costs import collective_bytes
 from .layouts import ModelSpec
 
 
-def run_bytes(model: ModelSpec, dp: int, zero: int = 0, itemsize: int = 4) -> dict:
-    """Bytes all ranks together send in one ``forward_backward`` + ``step`` of ``tinytrain train
-    --dp dp [--zero zero]`` (fp32, ring collectives), by (group, op): the gradient sync
-    (``data_parallel_volume``; a tied embedding counts once in Ψ and, under ZeRO-3, is gathered by
-    both layers that use it) and the loss average (one float64 all-reduce, whose algorithm tinytrain
-    picks by size). Summed over ranks the ring's uneven chunks cancel, so these are exact."""
+def run_bytes(
+    model: ModelSpec,
+    dp: int = 1,
+    zero: int = 0,
+    itemsize: int = 4,
+    tp: int = 1,
+    sp: bool = False,
+    pp: int = 1,
+    microbatches: int | None = None,
+    cp: int = 1,
+    cp_algo: str = "ring",
+) -> dict:
+    """Bytes all ranks together send in one ``forward_backward`` + ``step`` of ``tinytrain train``
+    with these flags (fp32), by (group, op), each term a formula of ``parallel/costs.py`` summed
+    over the ranks that send it (summed, a ring's uneven chunks cancel, so these are exact).
+
+    Data parallel (the data group: dp × cp ranks holding the same weights): the gradient sync
+    (``data_parallel_volume``, ring; a tied embedding counts once in Ψ and, under ZeRO-3, is gathered
+    by both layers that use it) of this rank's TP shard, and the loss average (one float64
+    all-reduce, whose algorithm tinytrain picks by size). TP: the blocks' all-reduces
+    (``tensor_parallel_volume``; under SP half all-gathers, half reduce-scatters) and the embedding,
+    head and loss (``vocab_parallel_volume``). PP: the boundary messages (``pipeline_volume``), the
+    tied embedding's gradient swapped between first and last stage, the loss sent from the last
+    stage (an all-reduce), then every stage's gradients averaged over dp (one all-reduce per
+    parameter: exact for dp ≤ 2, where every algorithm sends the buffer once). CP:
+    ``context_parallel_volume``. Layouts beyond these (TP with PP, CP or ZeRO; PP with ZeRO or CP)
+    are refused rather than guessed."""
     from tinytrain.distributed.choice import choose_all_reduce_algo
 
-    psi, n = model.parameters, dp
-    tied = model.vocab * model.hidden if model.tied else 0
-    loss = n * collective_bytes("all_reduce", 8, n, choose_all_reduce_algo(8))
+    if (tp > 1 and (pp > 1 or cp > 1 or zero)) or (pp > 1 and (cp > 1 or zero or dp > 2)) or (cp > 1 and dp > 1):
+        raise ValueError(
+            "run_bytes is exact for --dp/--zero, --tp [--sp] with --dp, --pp with --dp <= 2, and --cp alone"
+        )
+    h, s, rows = model.hidden, model.seq, model.batch // dp  # rows: one replica's sequences
+    data = dp * cp  # the ranks that hold the same weights and average their gradients
+    out: dict = {}
+
+    def add(group: str, op: str, nbytes: float) -> None:
+        if nbytes:
+            out[(group, op)] = out.get((group, op), 0) + nbytes
+
+    def loss_average(n: int, groups: int) -> float:  # one float64, over ``groups`` groups of n ranks
+        return groups * n * collective_bytes("all_reduce", 8, n, choose_all_reduce_algo(8))
+
+    tied = model.vocab * h if model.tied else 0
+    norm = 2 * h if model.bias else h  # one LayerNorm's weight (and bias)
+    # replicated over TP: the LayerNorms and the row layers' biases (under SP their gradients are
+    # partial sums, all-reduced), and the position embedding
+    norms_and_biases = model.layers * (2 * norm + (2 * h if model.bias else 0)) + norm
+    if pp > 1:
+        m = microbatches or 2 * pp
+        add("pp", "send", dp * costs.pipeline_volume(rows // m * s * h * itemsize, pp, m))
+        add("pp", "sendrecv", dp * 2 * tied * itemsize)  # first and last stage swap the tied gradient
+        add("pp", "all_reduce", loss_average(pp, dp))
+        add("dp", "all_reduce", dp * collective_bytes("all_reduce", (model.parameters + tied) * itemsize, dp))
+        add("dp", "all_reduce", loss_average(dp, pp))
+        return {k: round(v) for k, v in out.items()}
+    if tp > 1:
+        activation, tokens = rows * s * h * itemsize, rows * s * itemsize
+        partial = norms_and_biases * itemsize
+        blocks = model.layers * costs.tensor_parallel_volume(activation, tp)
+        edges = costs.vocab_parallel_volume(activation, tokens, tp, sp, partial)
+        for op, nbytes in edges.items():
+            add("tp", op, dp * tp * nbytes)
+        if sp:  # the blocks' all-reduces become all-gathers and reduce-scatters of the same bytes
+            add("tp", "all_gather", dp * tp * blocks / 2)
+            add("tp", "reduce_scatter", dp * tp * blocks / 2)
+        else:
+            add("tp", "all_reduce", dp * tp * blocks)
+    if cp > 1:
+        op = "send" if cp_algo == "ring" else "all_to_all"
+        local = rows * s // cp * h * itemsize  # one (b, s/cp, h) tensor of a context rank
+        add("cp", op, dp * cp * model.layers * costs.context_parallel_volume(local, cp, cp_algo))
+    group = "cp" if cp > 1 else "dp"
+    replicated = s * h + norms_and_biases
+    psi = (model.parameters - replicated) / tp + replicated  # the weights one TP rank holds
     if zero == 0:
-        return {("dp", "all_reduce"): round(n * collective_bytes("all_reduce", psi * itemsize, n) + loss)}
-    gathered = 2 * (psi + tied) if zero == 3 else psi  # ZeRO-3: for forward and again for backward
-    return {
-        ("dp", "reduce_scatter"): round(n * collective_bytes("reduce_scatter", psi * itemsize, n)),
-        ("dp", "all_gather"): round(n * collective_bytes("all_gather", gathered * itemsize, n)),
-        ("dp", "all_reduce"): round(loss),
-    }
+        add(group, "all_reduce", tp * data * collective_bytes("all_reduce", psi * itemsize, data))
+    else:
+        gathered = 2 * (psi + tied) if zero == 3 else psi  # ZeRO-3: for forward and again for backward
+        add(group, "reduce_scatter", data * collective_bytes("reduce_scatter", psi * itemsize, data))
+        add(group, "all_gather", data * collective_bytes("all_gather", gathered * itemsize, data))
+    add(group, "all_reduce", loss_average(data, tp))
+    return {k: round(v) for k, v in out.items()}
 
 
 def bench_points(rows: list) -> list[tuple[int, float, float]]:
