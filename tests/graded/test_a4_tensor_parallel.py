@@ -317,7 +317,7 @@ def test_vocab_parallel_cross_entropy_is_stable_on_extreme_logits(impl):
 # --- 4.4 / 4.5 the whole GPT ------------------------------------------------------------------------------
 
 
-def drawn_gpt(rng, t, dropout):
+def drawn_gpt(rng, t, dropout, replicas=1):
     heads = t * int(rng.integers(1, 3))
     config = GPTConfig(
         vocab_size=t * int(rng.integers(2, 5)),
@@ -328,22 +328,34 @@ def drawn_gpt(rng, t, dropout):
         dropout=dropout,
     )
     seed = int(rng.integers(1 << 30))
-    ids = rng.integers(0, config.vocab_size, size=(int(rng.integers(1, 4)), 2 * t))
+    ids = rng.integers(0, config.vocab_size, size=(replicas * int(rng.integers(1, 4)), 2 * t))
     targets = rng.integers(0, config.vocab_size, size=ids.shape)
     return (lambda: GPT(config, seed=seed)), ids, targets
 
 
-def check_gpt(tp, t, sp, dropout):
+def check_gpt(tp, t, sp, dropout, group=None, replicas=1, replica=0):
+    """The TP model of ``group`` (t ranks) against the serial GPT. With ``replicas`` data-parallel
+    replicas, this rank's replica computes only its rows of the batch (as the hybrid layout does)
+    and must match the serial model's loss of those rows, run on the whole batch."""
     rng, seed = shared_rng()
-    build, ids, targets = drawn_gpt(rng, t, dropout)
-    serial, parallel = build(), tp.tensor_parallel_gpt(build(), dist.world(), sequence_parallel=sp)
-    what = f"{serial.config}, batch {ids.shape}, SP {sp} (seed {seed})"
+    build, ids, targets = drawn_gpt(rng, t, dropout, replicas)
+    group = group or dist.world()
+    serial, parallel = build(), tp.tensor_parallel_gpt(build(), group, sequence_parallel=sp)
+    n = ids.shape[0] // replicas
+    rows = slice(replica * n, (replica + 1) * n)
+    what = f"{serial.config}, batch {ids.shape}, SP {sp}"
+    if replicas > 1:
+        what += (
+            f", DP replica {replica} of {replicas} computing rows {rows.start}-{rows.stop - 1}: its dropout masks "
+            f"must be those rows of the whole batch's masks (random.batch_rows)"
+        )
+    what += f" (seed {seed})"
     _random.manual_seed(seed)
-    want = F.cross_entropy(serial(xp.asarray(ids)), xp.asarray(targets))
+    want = F.cross_entropy(serial(xp.asarray(ids))[rows], xp.asarray(targets[rows]))  # masks of the whole batch
     want.backward()
     _random.manual_seed(seed)
-    with dist.comm_stats() as s:
-        got = parallel.loss(ids, targets)
+    with dist.comm_stats() as s, _random.batch_rows(rows.start, ids.shape[0]):
+        got = parallel.loss(ids[rows], targets[rows])
         got.backward()  # SP's partial gradients are summed over the group by the model's hooks
     close(got, want.data, f"loss, {what}")
     named, scale = dict(serial.named_parameters()), largest_gradient(serial)
@@ -366,6 +378,18 @@ def test_sequence_parallel_gpt_with_dropout_matches_serial(impl):
     s = check_gpt(impl.tensor_parallel, 4, sp=True, dropout=0.2)
     assert sent(s, "all_gather") > 0 and sent(s, "reduce_scatter") > 0, (
         f"SP runs all-gathers and reduce-scatters\n{s.table()}"
+    )
+
+
+@pytest.mark.task("4.5")
+@pytest.mark.world_size(4)
+def test_dp_by_tp_replicas_drop_their_rows_of_the_serial_masks(impl):
+    """Mesh {dp: 2, tp: 2} with dropout, SP on: replica d computes rows [d·B/2, (d+1)·B/2) of the
+    batch (``random.batch_rows``, set by the hybrid layout), so its masks must be those rows of the
+    serial run's masks, not a mask drawn for its own B/2 rows (replica 1 would repeat replica 0's)."""
+    mesh = dist.DeviceMesh({"dp": 2, "tp": 2})
+    check_gpt(
+        impl.tensor_parallel, 2, sp=True, dropout=0.3, group=mesh.get_group("tp"), replicas=2, replica=mesh.coords["dp"]
     )
 
 

@@ -468,6 +468,23 @@ MUTANTS += [
         "dropout|sequence",
     ),
     M(
+        "dropout_by_hand_without_the_replicas_rows",  # the site's mask and SP's positions, but of my rows only
+        "4.5",
+        _TPL,
+        "        return F.dropout(x, p, training, site=self.dropout_site, seq_shard=seq_shard)\n",
+        "        if not training or p == 0.0:\n"
+        "            return x\n"
+        "        from tinytrain import random as _random\n"
+        "        from tinytrain.autograd import ops\n"
+        "        full, index = list(x.shape), [slice(None)] * x.ndim\n"
+        "        if seq_shard is not None:  # the whole sequence's mask, my positions of it\n"
+        "            r, n = seq_shard\n"
+        "            full[1], index[1] = x.shape[1] * n, slice(r * x.shape[1], (r + 1) * x.shape[1])\n"
+        "        generator = _random.dropout_generator(self.dropout_site)\n"
+        "        return ops.Dropout.apply(x, p, generator, full_shape=tuple(full), index=tuple(index))\n",
+        "DP replica 1 of 2 .*dropout masks must be those rows",
+    ),
+    M(
         "sequence_gather_backward_does_not_sum",
         "4.5",
         _TP,
