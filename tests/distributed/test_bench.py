@@ -1,12 +1,23 @@
-"""`tinytrain bench collectives` runs under the harness and writes the documented JSON rows."""
+"""`tinytrain bench collectives` runs under the harness and writes the documented JSON rows; its
+baseline is MPI as it comes, in a second mpirun launch without tinytrain's MPICH settings."""
 
 import argparse
 import json
+import shutil
 
 import pytest
 
 from tinytrain import distributed as dist
 from tinytrain.bench import collectives as bench
+from tinytrain.distributed._mpi import _MPICH_DEFAULTS
+
+
+def _run(tmp_path, *flags):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / f"rows{dist.get_rank()}.json"
+    assert bench.run(parser.parse_args([*flags, "--rounds", "1", "--json", str(out)])) == 0
+    return json.loads(out.read_text()) if dist.get_rank() == 0 else None
 
 
 @pytest.mark.world_size(4)
@@ -65,3 +76,53 @@ def test_bench_runs_a_students_assignment_and_lists_its_todos(tmp_path, capsys):
         # doubling is not, so the student's copy of it runs.
         assert [r["collective"] for r in json.loads(out.read_text())] == ["all_reduce"]
         assert "all_gather     not benched: TODO 1.2:" in printed
+
+
+@pytest.mark.world_size(4)
+def test_baseline_is_mpi_as_it_comes_and_both_columns_point_the_same_way(tmp_path, capsys):
+    rows = _run(tmp_path, "--sizes", "1K", "--collectives", "all_reduce", "reduce_scatter", "--mpi", "both")
+    if dist.get_rank() != 0:
+        return
+    printed = capsys.readouterr().out
+    # the second launch read no MPICH setting of ours at its MPI_Init; this one ran under its own
+    assert "# MPI as it comes: a second mpirun -n 4 launch, MPICH settings: none (MPICH's own defaults)" in printed
+    assert f"# ours (tinytrain's collectives): this launch, MPICH settings: {bench.mpich_settings()}" in printed
+    assert f"# MPI throttled: this launch (tinytrain's settings), MPICH settings: {bench.mpich_settings()}" in printed
+    assert "# ratio = our busbw / busbw of MPI as it comes (above 1: ours faster; below 1: MPI faster)" in printed
+    assert [r["collective"] for r in rows] == ["all_reduce", "reduce_scatter"]
+    for r in rows:
+        assert r["mpi_settings"] == "as it comes"
+        assert r["ratio"] == pytest.approx(r["busbw_gbps"] / r["mpi_busbw_gbps"])
+        assert r["ratio_throttled"] == pytest.approx(r["busbw_gbps"] / r["mpi_throttled_busbw_gbps"])
+        assert r["mpi_time_us"] > 0 and r["mpi_throttled_time_us"] > 0
+
+
+@pytest.mark.world_size(4)
+def test_throttled_baseline_runs_in_this_launch_and_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "BaselineLaunch", None)  # would fail if a second launch were started
+    rows = _run(tmp_path, "--sizes", "1K", "--collectives", "broadcast", "--mpi", "throttled")
+    if dist.get_rank() == 0:
+        printed = capsys.readouterr().out
+        assert "MPI as it comes" not in printed
+        assert "# ratio = our busbw / busbw of MPI throttled (above 1: ours faster; below 1: MPI faster)" in printed
+        assert [r["mpi_settings"] for r in rows] == ["tinytrain's (throttled)"]
+
+
+def test_the_baseline_environment_drops_our_settings_and_this_launchs_wiring(monkeypatch):
+    monkeypatch.setenv("PMI_RANK", "3")
+    monkeypatch.setenv("HYDI_CONTROL_FD", "7")
+    monkeypatch.setenv("SOME_USER_SETTING", "kept")
+    for key, value in _MPICH_DEFAULTS.items():
+        monkeypatch.setenv(key, value)
+    env = bench.baseline_environment()
+    assert not set(_MPICH_DEFAULTS) & set(env)
+    assert "PMI_RANK" not in env and "HYDI_CONTROL_FD" not in env
+    assert env["TINYTRAIN_MPI_DEFAULTS"] == "0" and env["SOME_USER_SETTING"] == "kept"
+    assert bench.mpich_settings(env) == "none (MPICH's own defaults)"
+
+
+@pytest.mark.world_size(4)
+def test_a_baseline_launch_that_dies_fails_every_rank_in_one_message(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "_mpirun", lambda: shutil.which("false"))  # exits at once, replies nothing
+    with pytest.raises(RuntimeError, match=r"baseline launch failed: RuntimeError: the worker exited \(code 1\)"):
+        _run(tmp_path, "--sizes", "1K", "--collectives", "all_reduce")

@@ -1,7 +1,23 @@
 """``mpirun -n N tinytrain bench collectives``: our collectives against MPI's own, nccl-tests style.
 
-For every collective and message size, both implementations run in the same process, interleaved
-(ours, MPI, ours, MPI, ...), so a noisy machine slows both alike. Reported per row:
+Which MPI is the baseline (``--mpi``). MPI reads its settings once, in ``MPI_Init``; tinytrain sets
+MPICH ones before that (``distributed/_mpi.py``: a progress throttle that yields the core, good for
+4 ranks on 2 cores, but it slows MPI's own small collectives many times over). So:
+
+* ``default`` (the default): MPI as it comes, what a user gets from ``mpirun`` without tinytrain.
+  Rank 0 launches a second ``mpirun -n N`` of this module (``--baseline-worker``) with tinytrain's
+  settings removed from its environment (``TINYTRAIN_MPI_DEFAULTS=0``) and drives it over a pipe.
+  Rounds alternate between the two launches (ours here, then MPI's there, ...), and the launch that
+  is not measuring waits asleep (polling a non-blocking broadcast every millisecond, never spinning
+  in MPI), so load from elsewhere hits both alike and neither takes the cores from the other.
+* ``throttled``: MPI in this launch, under tinytrain's settings (the flattering figure, as before).
+* ``both``: both columns, three-way alternated; ``ratio`` is against MPI as it comes.
+
+The header says which MPICH settings each side ran under. Ours always runs in this launch, under
+the settings it was started with (tinytrain's defaults unless ``TINYTRAIN_MPI_DEFAULTS=0``).
+
+For every collective and message size the implementations run interleaved (ours, MPI, ours, MPI,
+...), best round of each kept. Reported per row:
 
 * ``time``: seconds per call, the slowest rank's (a collective is done when the last rank is).
 * ``algbw`` = size / time, where size is the nccl-tests "size": the buffer for all_reduce and
@@ -10,7 +26,8 @@ For every collective and message size, both implementations run in the same proc
 * ``busbw`` = algbw x factor, the bandwidth each link would need; the factor makes numbers
   comparable across collectives and rank counts: 2(n-1)/n for all_reduce, (n-1)/n for
   all_gather, reduce_scatter and all_to_all, 1 for broadcast.
-* ``ratio`` = our busbw / MPI's busbw (above 1: ours is faster).
+* ``ratio`` = our busbw / MPI's busbw (above 1: ours is faster), against MPI as it comes unless
+  ``--mpi throttled``; ``--mpi both`` adds ``ratio_throttled`` (against MPI under tinytrain's settings).
 
 ``--receive-check`` also times ours with the per-receive byte-count check switched off (interleaved
 with the rest) and prints what the check costs, in percent of our time (``check %``; about 0 is the
@@ -24,6 +41,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
+import subprocess
+import sys
 import time
 
 import numpy
@@ -75,6 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time ours without the per-receive byte-count check and print its cost (check %%)",
     )
     parser.add_argument(
+        "--mpi",
+        choices=("default", "throttled", "both"),
+        default="default",
+        help="the baseline: MPI as it comes (a second mpirun launch without tinytrain's MPICH settings), "
+        "MPI under tinytrain's settings in this launch, or both",
+    )
+    parser.add_argument(
         "--impl",
         choices=("reference", "assignments"),
         default="reference",
@@ -102,27 +130,59 @@ def _setups(name: str, size: int, n: int, comm, algo, dist=None, on_device=False
     ``on_device``: our buffers live on the backend's device (CuPy, or the strict stand-in); MPI's own
     get device memory too when MPI is CUDA-aware, else host memory (what it can read).
     """
+    ours_zeros, mpi_zeros = _allocators(on_device)
+    return _ours_setup(name, size, n, algo, dist or _implementation("reference"), ours_zeros), _mpi_setup(
+        name, size, n, comm, mpi_zeros
+    )
+
+
+def _counts(size: int, n: int) -> tuple[int, int]:
+    """(float32 elements of the whole buffer, of one rank's piece) for nccl-tests size ``size``."""
+    count = max(1, size // 4)
+    return count, max(1, count // n)
+
+
+def _ours_setup(name: str, size: int, n: int, algo, dist, zeros):
+    """A zero-argument call of our ``name`` on buffers from ``zeros`` (zeros: sums stay finite)."""
+    count, piece = _counts(size, n)
+    if name == "all_reduce":
+        a = zeros(count)
+        return lambda: dist.all_reduce(a, algo=algo)
+    if name == "all_gather":
+        x, out = zeros(piece), zeros(piece * n)
+        return lambda: dist.all_gather(x, out=out)
+    if name == "reduce_scatter":
+        x, out = zeros(piece * n), zeros(piece)
+        return lambda: dist.reduce_scatter(x, out=out)
+    if name == "all_to_all":
+        x, out = zeros(piece * n), zeros(piece * n)
+        return lambda: dist.all_to_all(x, out=out)
+    if name == "broadcast":
+        a = zeros(count)
+        return lambda: dist.broadcast(a, src=0)
+    raise ValueError(name)
+
+
+def _mpi_setup(name: str, size: int, n: int, comm, zeros):
+    """A zero-argument call of MPI's own ``name`` on ``comm``, same buffers as :func:`_ours_setup`."""
     from tinytrain.distributed._mpi import MPI
 
-    dist = dist or _implementation("reference")
-    count = max(1, size // 4)
-    ours_zeros, mpi_zeros = _allocators(on_device)  # zeros: sums stay finite
+    count, piece = _counts(size, n)
     if name == "all_reduce":
-        a, b, c = ours_zeros(count), mpi_zeros(count), mpi_zeros(count)
-        return (lambda: dist.all_reduce(a, algo=algo)), (lambda: comm.Allreduce(b, c, op=MPI.SUM))
-    piece = max(1, count // n)
+        b, c = zeros(count), zeros(count)
+        return lambda: comm.Allreduce(b, c, op=MPI.SUM)
     if name == "all_gather":
-        x, out1, y, out2 = ours_zeros(piece), ours_zeros(piece * n), mpi_zeros(piece), mpi_zeros(piece * n)
-        return (lambda: dist.all_gather(x, out=out1)), (lambda: comm.Allgather(y, out2))
+        y, out = zeros(piece), zeros(piece * n)
+        return lambda: comm.Allgather(y, out)
     if name == "reduce_scatter":
-        x, out1, y, out2 = ours_zeros(piece * n), ours_zeros(piece), mpi_zeros(piece * n), mpi_zeros(piece)
-        return (lambda: dist.reduce_scatter(x, out=out1)), (lambda: comm.Reduce_scatter_block(y, out2))
+        y, out = zeros(piece * n), zeros(piece)
+        return lambda: comm.Reduce_scatter_block(y, out)
     if name == "all_to_all":
-        x, out1, y, out2 = ours_zeros(piece * n), ours_zeros(piece * n), mpi_zeros(piece * n), mpi_zeros(piece * n)
-        return (lambda: dist.all_to_all(x, out=out1)), (lambda: comm.Alltoall(y, out2))
+        y, out = zeros(piece * n), zeros(piece * n)
+        return lambda: comm.Alltoall(y, out)
     if name == "broadcast":
-        a, b = ours_zeros(count), mpi_zeros(count)
-        return (lambda: dist.broadcast(a, src=0)), (lambda: comm.Bcast(b, root=0))
+        b = zeros(count)
+        return lambda: comm.Bcast(b, root=0)
     raise ValueError(name)
 
 
@@ -215,17 +275,194 @@ def _receive_check_ns(rounds: int = 15, messages: int = 2000) -> tuple[float, fl
     return 1e9 * (best[True] - best[False]), 1e9 * best[False]
 
 
-def _measure(name, size, n, comm, algo, rounds, dist=None, receive_check=False, on_device=False):
-    """Best seconds per call of (ours, MPI's, ours without the receive check or None)."""
-    ours, mpi = _setups(name, size, n, comm, algo, dist, on_device)
-    candidates = [ours, mpi] + ([_unchecked(ours)] if receive_check else [])
-    for fn in candidates:
+def _measure(
+    name, size, n, comm, algo, rounds, dist=None, receive_check=False, on_device=False, mpi="throttled", baseline=None
+):
+    """Best seconds per call of each side, by key: ``ours``; ``mpi_here`` (MPI in this launch, under
+    its settings; ``--mpi throttled`` or ``both``); ``mpi_default`` (MPI as it comes, in the
+    ``baseline`` launch; ``--mpi default`` or ``both``); ``unchecked`` (ours without the receive
+    check, ``receive_check`` only). Rounds alternate over all of them; the best of each is kept."""
+    ours, mpi_here = _setups(name, size, n, comm, algo, dist, on_device)
+    here = {"ours": ours}
+    if mpi in ("throttled", "both"):
+        here["mpi_here"] = mpi_here
+    if receive_check:
+        here["unchecked"] = _unchecked(ours)
+    for fn in here.values():
         fn()  # warm up: first-touch pages, MPI connection setup
     iters = max(2, min(100, (32 << 20) // max(size, 1)))
-    best = [float("inf")] * len(candidates)
+    request = {"name": name, "size": size, "iters": iters}
+    if baseline is not None:
+        baseline.ask(dict(request, op="setup"))  # its buffers and warm-up, untimed
+    best = dict.fromkeys(list(here) + (["mpi_default"] if baseline is not None else []), float("inf"))
     for _ in range(rounds):  # interleaved, keep the best of each: noise only ever adds time
-        best = [min(b, _time(fn, iters, comm)) for b, fn in zip(best, candidates)]
-    return best[0], best[1], (best[2] if receive_check else None)
+        for key, fn in here.items():
+            best[key] = min(best[key], _time(fn, iters, comm))
+        if baseline is not None:  # meanwhile this launch waits asleep
+            best["mpi_default"] = min(best["mpi_default"], baseline.ask(dict(request, op="time"))["seconds"])
+    return best
+
+
+# --- MPI as it comes: a second launch, driven by rank 0 over a pipe ---------------------------------
+
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_LOCAL", "OMPI_")  # this launch's wiring
+_REPLY = "@bench-baseline "  # marks the worker's replies among anything else it prints
+_MESSAGE_BYTES = 4096
+_WAIT_S = 600.0  # the longest a reply may take (a 64 MiB round on a busy machine takes seconds)
+
+
+def mpich_settings(env=None) -> str:
+    """The ``MPIR_CVAR_*`` settings in ``env`` (default: this process's, as MPI_Init read them)."""
+    env = os.environ if env is None else env
+    found = [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("MPIR_CVAR_")]
+    return " ".join(found) or "none (MPICH's own defaults)"
+
+
+def baseline_environment() -> dict:
+    """This environment without this launch's wiring and without tinytrain's MPICH settings."""
+    from tinytrain.distributed._mpi import _MPICH_DEFAULTS
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) and k not in _MPICH_DEFAULTS}
+    env["TINYTRAIN_MPI_DEFAULTS"] = "0"
+    return env
+
+
+def _mpirun() -> str:
+    """The launcher next to this Python (the mpich wheel's), else the one on PATH."""
+    import shutil
+
+    for name in ("mpirun", "mpiexec"):
+        beside = os.path.join(os.path.dirname(sys.executable), name)
+        found = beside if os.access(beside, os.X_OK) else shutil.which(name)
+        if found:
+            return found
+    raise ValueError(
+        "--mpi default launches MPI as it comes with mpirun, which is not on PATH: add it, or use --mpi throttled"
+    )
+
+
+def quiet_bcast(comm, message, what: str, timeout: float | None = _WAIT_S):
+    """Rank 0's ``message`` (JSON) on every rank of ``comm``, waited for asleep: a non-blocking
+    broadcast tested every millisecond, so a waiting rank leaves the cores to the launch that is
+    measuring (a blocking MPI call as MPI comes would spin on one). Raises after ``timeout`` s."""
+    buf = bytearray(_MESSAGE_BYTES)
+    if comm.Get_rank() == 0:
+        data = json.dumps(message).encode()[: _MESSAGE_BYTES - 1]
+        buf[: len(data)] = data
+    request = comm.Ibcast(buf, root=0)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not request.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"rank {comm.Get_rank()}: waited {timeout:g} s for rank 0 in {what}")
+        time.sleep(0.001)
+    return json.loads(bytes(buf).rstrip(b"\0"))
+
+
+class BaselineLaunch:
+    """MPI as it comes, in its own ``mpirun -n N`` of this module (``--baseline-worker``).
+
+    Rank 0 of this launch starts it and talks to the worker's rank 0 over its stdin/stdout, one JSON
+    line each way; the other ranks wait asleep for the reply (:func:`quiet_bcast`). Every call of
+    :meth:`ask` is made by every rank of this launch.
+    """
+
+    def __init__(self, comm, on_device: bool = False):
+        self.comm, self.proc, self.pending = comm, None, b""
+        if comm.Get_rank() == 0:
+            try:
+                command = [_mpirun(), "-n", str(comm.Get_size()), sys.executable, "-m", __name__, "--baseline-worker"]
+                self.proc = subprocess.Popen(
+                    command + (["--device"] if on_device else []),
+                    env=baseline_environment(),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                )
+            except ValueError as bad:
+                self.proc = bad
+        self.settings = self.ask({"op": "hello"})["settings"]
+
+    def ask(self, request: dict) -> dict:
+        """The worker's reply to ``request``, on every rank of this launch."""
+        reply = None
+        if self.comm.Get_rank() == 0:
+            try:
+                reply = self._exchange(request)
+            except ValueError as bad:
+                reply = {"bad_input": str(bad)}
+            except Exception as failure:  # every rank raises it below, none is left waiting
+                reply = {"error": f"{type(failure).__name__}: {failure}"}
+        reply = quiet_bcast(self.comm, reply, "bench collectives (waiting for the MPI baseline launch)")
+        if "bad_input" in reply:
+            raise ValueError(reply["bad_input"])
+        if "error" in reply:
+            raise RuntimeError(f"the MPI-as-it-comes baseline launch failed: {reply['error']}")
+        return reply
+
+    def _exchange(self, request: dict) -> dict:
+        if isinstance(self.proc, ValueError):
+            raise self.proc
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + _WAIT_S
+        while True:
+            line = self._read_line(deadline)
+            if line.startswith(_REPLY):
+                return json.loads(line[len(_REPLY) :])
+            sys.stderr.write(line + "\n")  # the worker's other output (warnings), passed on
+
+    def _read_line(self, deadline: float) -> str:
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError(f"no reply from the worker in {_WAIT_S:g} s")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"the worker exited (code {self.proc.wait()}) before replying")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line.decode(errors="replace")
+
+    def close(self) -> None:
+        """Tell the worker to quit and wait for it (rank 0); the other ranks have nothing to close."""
+        if not isinstance(self.proc, subprocess.Popen):
+            return
+        try:
+            self.proc.stdin.write(b'{"op": "quit"}\n')
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _baseline_worker(on_device: bool) -> int:
+    """The baseline launch's every rank: MPI's own collectives, timed on rank 0's request."""
+    from tinytrain.distributed._mpi import MPI
+
+    comm, calls = MPI.COMM_WORLD, {}
+    n, rank = comm.Get_size(), comm.Get_rank()
+    mpi_zeros = _allocators(on_device)[1]
+    while True:
+        request = None
+        if rank == 0:
+            line = sys.stdin.readline()  # EOF (the driver is gone) means quit
+            request = json.loads(line) if line.strip() else {"op": "quit"}
+        request = quiet_bcast(comm, request, "the baseline worker (waiting for the next request)", timeout=None)
+        if request["op"] == "quit":
+            return 0
+        reply = {}
+        if request["op"] == "hello":
+            reply = {"settings": mpich_settings(), "ranks": n}
+        elif request["op"] == "setup":
+            key = (request["name"], request["size"])
+            calls.clear()  # one size at a time: 64 MiB buffers add up
+            calls[key] = _mpi_setup(request["name"], request["size"], n, comm, mpi_zeros)
+            calls[key]()  # warm up
+        elif request["op"] == "time":
+            reply = {"seconds": _time(calls[(request["name"], request["size"])], request["iters"], comm)}
+        if rank == 0:
+            print(_REPLY + json.dumps(reply), flush=True)
 
 
 # --- the benchmark ---------------------------------------------------------------------------------
@@ -234,33 +471,72 @@ def _measure(name, size, n, comm, algo, rounds, dist=None, receive_check=False, 
 def run(args) -> int:
     from tinytrain import backend
     from tinytrain import distributed as dist
-    from tinytrain.distributed.collectives import choose_all_reduce_algo
 
     comm = dist.init().comm  # MPI's reference runs on the same ranks (the test harness's world too)
-    n, rank = comm.Get_size(), comm.Get_rank()
     if args.overlap:
         return _overlap(comm)
-    sizes = [_parse_size(s) for s in args.sizes] if args.sizes else [1 << k for k in range(10, 27, 2)]
-    rows = []
-    receive_check, on_device = getattr(args, "receive_check", False), getattr(args, "device", False)
+    if args.rounds <= 0:
+        raise ValueError(f"--rounds must be positive, got {args.rounds}")
+    on_device = getattr(args, "device", False)
     if on_device and not backend.on_device:
         raise ValueError("--device needs a device: run with TINYTRAIN_DEVICE=gpu (or strict, the stand-in)")
+    mpi = getattr(args, "mpi", "default")
+    baseline = BaselineLaunch(comm, on_device) if mpi in ("default", "both") else None
+    try:
+        rows = _bench(args, comm, mpi, baseline)
+    finally:
+        if baseline is not None:
+            baseline.close()
+    if comm.Get_rank() == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def _header(args, n: int, mpi: str, baseline) -> None:
+    """What ran where, under which MPICH settings, and which way the ratios point."""
+    from tinytrain import backend
+    from tinytrain import distributed as dist
+
+    where = "host buffers"
+    if getattr(args, "device", False):
+        where = f"{backend.device} device buffers, MPI {'CUDA-aware' if dist.cuda_aware() else 'staged via host'}"
+    impl = "assignments/a1_collectives.py" if getattr(args, "impl", "reference") == "assignments" else "tinytrain's"
+    print(f"# tinytrain bench collectives: {n} ranks, float32, {where}, best of {args.rounds} alternating rounds")
+    print(f"# ours ({impl} collectives): this launch, MPICH settings: {mpich_settings()}")
+    if baseline is not None:
+        print(f"# MPI as it comes: a second mpirun -n {n} launch, MPICH settings: {baseline.settings}")
+    if mpi in ("throttled", "both"):
+        print(f"# MPI throttled: this launch (tinytrain's settings), MPICH settings: {mpich_settings()}")
+    against = "MPI as it comes" if baseline is not None else "MPI throttled"
+    print(f"# ratio = our busbw / busbw of {against} (above 1: ours faster; below 1: MPI faster)")
+    if mpi == "both":
+        print("# ratio thr = our busbw / busbw of MPI throttled (same direction)")
+    print(
+        f"# {'collective':<15}{'algo':<20}{'size':>7}{'time us':>11}{'algbw GB/s':>12}"
+        f"{'busbw GB/s':>12}{'MPI busbw':>11}{'ratio':>7}"
+        + (f"{'MPI thr':>9}{'ratio thr':>10}" if mpi == "both" else "")
+        + (f"{'check %':>9}" if getattr(args, "receive_check", False) else ""),
+        flush=True,
+    )
+
+
+def _bench(args, comm, mpi: str, baseline) -> list:
+    """Every (collective, size) measured and printed (rank 0); the rows."""
+    from tinytrain.distributed.collectives import choose_all_reduce_algo
+
+    n, rank = comm.Get_size(), comm.Get_rank()
+    sizes = [_parse_size(s) for s in args.sizes] if args.sizes else [1 << k for k in range(10, 27, 2)]
+    receive_check, on_device = getattr(args, "receive_check", False), getattr(args, "device", False)
     if rank == 0:
-        where = "host buffers"
-        if on_device:
-            where = f"{backend.device} device buffers, MPI {'CUDA-aware' if dist.cuda_aware() else 'staged via host'}"
-        print(f"# tinytrain bench collectives: {n} ranks, float32, {where}, best of {args.rounds} interleaved rounds")
-        print(
-            f"# {'collective':<15}{'algo':<20}{'size':>7}{'time us':>11}{'algbw GB/s':>12}"
-            f"{'busbw GB/s':>12}{'MPI busbw':>11}{'ratio':>7}"
-            + (f"{'check %':>9}" if getattr(args, "receive_check", False) else "")
-        )
+        _header(args, n, mpi, baseline)
     impl = _implementation(getattr(args, "impl", "reference"))
+    rows = []
     for name in args.collectives:
         for size in sizes:
             try:
-                ours, mpi, unchecked = _measure(
-                    name, size, n, comm, args.algo, args.rounds, impl, receive_check, on_device
+                best = _measure(
+                    name, size, n, comm, args.algo, args.rounds, impl, receive_check, on_device, mpi, baseline
                 )
             except NotImplementedError as todo:  # every rank runs the same stub, so all skip it
                 if rank == 0:
@@ -273,33 +549,10 @@ def run(args) -> int:
                 "all_to_all": "pairwise",
                 "broadcast": "tree",
             }[name]
-            factor = _BUS_FACTOR[name](n)
-            row = {
-                "collective": name,
-                "algo": algo,
-                "size_bytes": size,
-                "ranks": n,
-                "time_us": ours * 1e6,
-                "mpi_time_us": mpi * 1e6,
-                "algbw_gbps": size / ours / 1e9,
-                "busbw_gbps": size / ours / 1e9 * factor,
-                "mpi_algbw_gbps": size / mpi / 1e9,
-                "mpi_busbw_gbps": size / mpi / 1e9 * factor,
-            }
-            row["ratio"] = mpi / ours  # = busbw / mpi_busbw
-            check = ""
-            if unchecked is not None:
-                row["time_unchecked_us"] = unchecked * 1e6
-                row["receive_check_pct"] = 100 * (ours / unchecked - 1)
-                check = f"{row['receive_check_pct']:>9.1f}"
+            row = _row(name, algo, size, n, best, mpi)
             rows.append(row)
             if rank == 0:
-                print(
-                    f"  {name:<15}{algo:<20}{_fmt_size(size):>7}{row['time_us']:>11.1f}"
-                    f"{row['algbw_gbps']:>12.3f}{row['busbw_gbps']:>12.3f}{row['mpi_busbw_gbps']:>11.3f}"
-                    f"{row['ratio']:>7.2f}{check}",
-                    flush=True,
-                )
+                _print_row(row, mpi, receive_check)
     if receive_check and rank == 0:
         extra, exchange = _receive_check_ns()
         print(
@@ -308,10 +561,48 @@ def run(args) -> int:
             "with the check / without - 1, in percent"
         )
         rows.append({"receive_check_ns_per_message": extra, "exchange_ns": exchange})
-    if rank == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+    return rows
+
+
+def _row(name: str, algo: str, size: int, n: int, best: dict, mpi: str) -> dict:
+    """One JSON row: ours, the baseline (``mpi_*``: as it comes unless --mpi throttled), ratios."""
+    factor = _BUS_FACTOR[name](n)
+    ours, baseline = best["ours"], best["mpi_default" if mpi != "throttled" else "mpi_here"]
+    row = {
+        "collective": name,
+        "algo": algo,
+        "size_bytes": size,
+        "ranks": n,
+        "mpi_settings": "as it comes" if mpi != "throttled" else "tinytrain's (throttled)",
+        "time_us": ours * 1e6,
+        "mpi_time_us": baseline * 1e6,
+        "algbw_gbps": size / ours / 1e9,
+        "busbw_gbps": size / ours / 1e9 * factor,
+        "mpi_algbw_gbps": size / baseline / 1e9,
+        "mpi_busbw_gbps": size / baseline / 1e9 * factor,
+        "ratio": baseline / ours,  # = busbw / mpi_busbw: above 1, ours is faster
+    }
+    if mpi == "both":
+        throttled = best["mpi_here"]
+        row["mpi_throttled_time_us"] = throttled * 1e6
+        row["mpi_throttled_busbw_gbps"] = size / throttled / 1e9 * factor
+        row["ratio_throttled"] = throttled / ours
+    if "unchecked" in best:
+        row["time_unchecked_us"] = best["unchecked"] * 1e6
+        row["receive_check_pct"] = 100 * (ours / best["unchecked"] - 1)
+    return row
+
+
+def _print_row(row: dict, mpi: str, receive_check: bool) -> None:
+    line = (
+        f"  {row['collective']:<15}{row['algo']:<20}{_fmt_size(row['size_bytes']):>7}{row['time_us']:>11.1f}"
+        f"{row['algbw_gbps']:>12.3f}{row['busbw_gbps']:>12.3f}{row['mpi_busbw_gbps']:>11.3f}{row['ratio']:>7.2f}"
+    )
+    if mpi == "both":
+        line += f"{row['mpi_throttled_busbw_gbps']:>9.3f}{row['ratio_throttled']:>10.2f}"
+    if receive_check:
+        line += f"{row['receive_check_pct']:>9.1f}"
+    print(line, flush=True)
 
 
 def _overlap(comm) -> int:
@@ -389,3 +680,9 @@ def _overlap(comm) -> int:
                 hidden = (serial - t) / max(min(t_comm, t_compute), 1e-9)
                 print(f"  {label:<26}{t * 1e3:8.1f} ms   hidden: {100 * max(0.0, hidden):5.0f}% of the shorter part")
     return 0
+
+
+if __name__ == "__main__":  # the baseline launch: mpirun -n N python -m tinytrain.bench.collectives --baseline-worker
+    if "--baseline-worker" not in sys.argv:
+        sys.exit("run `tinytrain bench collectives` (this module's own entry is its MPI baseline worker)")
+    sys.exit(_baseline_worker(on_device="--device" in sys.argv))
