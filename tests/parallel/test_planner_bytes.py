@@ -72,3 +72,34 @@ def test_tensor_parallel_bytes_are_the_blocks_plus_embedding_and_loss():
 def test_refuses_layouts_it_does_not_model():
     with pytest.raises(ValueError, match="exact for"):
         planner.run_bytes(SPEC, tp=2, pp=2)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("experts, top_k", [(4, 2), (8, 1)])
+def test_expert_parallel_bytes_are_the_formula_on_the_measured_routing(monkeypatch, experts, top_k):
+    """--experts E --ep 4 (dropless): how many rows leave their rank depends on the routing the
+    step drew, so the formula is evaluated on the counts this step's dispatch sent (read as it
+    runs, the bytes left to the counters); every other byte follows from the shapes alone."""
+    from tinytrain.parallel.expert_parallel import model as ep_model
+
+    away, dispatch = [], ep_model.dropless
+
+    def counted(moe, rows, counts, group):  # the real dispatch; note the rows sent to other ranks
+        outputs, send, recv = dispatch(moe, rows, counts, group)
+        away.append(sum(n for p, n in enumerate(send) if p != dist.get_rank(group)))
+        return outputs, send, recv
+
+    monkeypatch.setattr(ep_model, "dropless", counted)
+    config = GPTConfig(**{**CONFIG.__dict__, "n_experts": experts, "moe_top_k": top_k})
+    stats, _ = planner.measure_step(Plan(ep=4), config, batch_size=SPEC.batch)
+    keys = [("ep", "all_to_all"), ("ep", "all_gather"), ("ep", "all_reduce")]
+    assert {k for k in stats.rows if k[1] != "debug_check" and stats.sent(k[1], k[0])} == set(keys)
+    totals = dist.all_reduce(np.array([stats.sent(op, group) for group, op in keys] + [sum(away)], dtype=np.int64))
+    measured, rows_away = dict(zip(keys, (int(v) for v in totals[:3]))), int(totals[3])
+    assert len(away) == SPEC.layers and 0 < rows_away < SPEC.batch * SPEC.seq * top_k * SPEC.layers
+    spec = planner.ModelSpec(**{**SPEC.__dict__, "experts": experts, "top_k": top_k})
+    want = planner.run_bytes(spec, ep=4, rows_away=rows_away)
+    assert measured == want, f"measured {measured}, planner {want} ({rows_away} rows left their rank)"
+    # even routing (the planner's estimate) sends (ep-1)/ep of the rows away; this step's differ from it
+    even = planner.run_bytes(spec, ep=4)[("ep", "all_to_all")] - measured[("ep", "all_to_all")]
+    assert even == 4 * SPEC.hidden * 4 * (SPEC.batch * SPEC.seq * top_k * SPEC.layers * 3 / 4 - rows_away)

@@ -46,6 +46,7 @@ __all__ = [
     "gpt_flops",
     "mlp_parameters",
     "expert_parallel_volume",
+    "routed_volume",
     "attention_share",
     "matmul_efficiency",
     "fit_alpha_beta",
@@ -231,6 +232,14 @@ def expert_parallel_volume(tokens_bytes: float, ep: int, top_k: int = 1, capacit
     one back (combine) of its tokens, each sent to ``top_k`` experts; with a capacity factor the
     buffers are padded to ``capacity_factor`` times the even share (a6 handout, ``wire_bytes``)."""
     return 2 * collective_bytes("all_to_all", tokens_bytes * top_k * capacity_factor, ep)
+
+
+def routed_volume(rows_away: float, row_bytes: float) -> float:
+    """Bytes per MoE layer and pass, from the routing a step really drew: every row dispatched to
+    an expert on another rank (``rows_away``) goes there and comes back (combine). Under even
+    routing rows_away = (ep-1)/ep · tokens · top_k per rank, and this is ``expert_parallel_volume``
+    (capacity factor 1)."""
+    return 2 * rows_away * row_bytes
 
 
 def matmul_efficiency(tokens: int, large: float, half_tokens: int) -> float:

@@ -21,6 +21,8 @@ def run_bytes(
     microbatches: int | None = None,
     cp: int = 1,
     cp_algo: str = "ring",
+    ep: int = 1,
+    rows_away: int | None = None,
 ) -> dict:
     """Bytes all ranks together send in one ``forward_backward`` + ``step`` of ``tinytrain train``
     with these flags (fp32), by (group, op), each term a formula of ``parallel/costs.py`` summed
@@ -35,14 +37,27 @@ def run_bytes(
     tied embedding's gradient swapped between first and last stage, the loss sent from the last
     stage (an all-reduce), then every stage's gradients averaged over dp (one all-reduce per
     parameter: exact for dp ≤ 2, where every algorithm sends the buffer once). CP:
-    ``context_parallel_volume``. Layouts beyond these (TP with PP, CP or ZeRO; PP with ZeRO or CP)
+    ``context_parallel_volume``. EP (dropless, as ``tinytrain train --experts E --ep n`` runs it):
+    per MoE layer the counts each rank sends each rank (an all-to-all of E integers), the routing
+    statistics (an all-gather of k·(E+1) integers), and the rows in both passes (``routed_volume``
+    of ``rows_away``: rows the forward sent to another rank, summed over ranks and layers; routing
+    decides it, so pass the measured count; None: the even share (ep-1)/ep of every token's top_k
+    rows); then the dense gradients, with one has-gradient flag per tensor, averaged over the EP
+    group. Layouts beyond these (TP with PP, CP or ZeRO; PP with ZeRO or CP)
     are refused rather than guessed."""
     from tinytrain.distributed.choice import choose_all_reduce_algo
 
-    if (tp > 1 and (pp > 1 or cp > 1 or zero)) or (pp > 1 and (cp > 1 or zero or dp > 2)) or (cp > 1 and dp > 1):
+    if (
+        (ep > 1 and (dp > 1 or tp > 1 or pp > 1 or cp > 1 or zero))
+        or (tp > 1 and (pp > 1 or cp > 1 or zero))
+        or (pp > 1 and (cp > 1 or zero or dp > 2))
+        or (cp > 1 and dp > 1)
+    ):
         raise ValueError(
-            "run_bytes is exact for --dp/--zero, --tp [--sp] with --dp, --pp with --dp <= 2, and --cp alone"
+            "run_bytes is exact for --dp/--zero, --tp [--sp] with --dp, --pp with --dp <= 2, --cp and --ep alone"
         )
+    if ep > 1:
+        return _expert_parallel_bytes(model, ep, rows_away, itemsize)
     h, s, rows = model.hidden, model.seq, model.batch // dp  # rows: one replica's sequences
     data = dp * cp  # the ranks that hold the same weights and average their gradients
     out: dict = {}
@@ -94,6 +109,29 @@ def run_bytes(
         add(group, "all_gather", data * collective_bytes("all_gather", gathered * itemsize, data))
     add(group, "all_reduce", loss_average(data, tp))
     return {k: round(v) for k, v in out.items()}
+
+
+def _expert_parallel_bytes(model: ModelSpec, ep: int, rows_away: int | None, itemsize: int) -> dict:
+    """``run_bytes`` of ``--experts E --ep ep`` (every rank its own B/ep rows; see there)."""
+    from tinytrain.distributed.choice import choose_all_reduce_algo
+
+    E, k, l, h = model.experts, model.top_k, model.layers, model.hidden  # noqa: E741
+    if rows_away is None:  # the even share: each token's k rows, (ep-1)/ep of them to other ranks
+        rows_away = model.batch * model.seq * k * l * (ep - 1) / ep
+    per_layer = ep * l  # every rank, every MoE layer
+    one = 2 if model.bias else 1  # tensors of a layer: weight (and bias)
+    tensors = l * ((2 + 4) * one + 1) + 2 + one + (0 if model.tied else 1)  # LayerNorms, q k v proj, gate; wte wpe ln_f
+    dense = (model.parameters - model.expert_parameters + tensors) * itemsize
+    loss = ep * collective_bytes("all_reduce", 8, ep, choose_all_reduce_algo(8))
+    return {
+        ("ep", "all_to_all"): round(
+            2 * costs.routed_volume(rows_away, h * itemsize) + per_layer * collective_bytes("all_to_all", 8 * E, ep)
+        ),
+        ("ep", "all_gather"): round(per_layer * collective_bytes("all_gather", ep * k * (E + 1) * 8, ep)),
+        ("ep", "all_reduce"): round(
+            ep * collective_bytes("all_reduce", dense, ep, choose_all_reduce_algo(dense)) + loss
+        ),
+    }
 
 
 def bench_points(rows: list) -> list[tuple[int, float, float]]:
