@@ -8,9 +8,11 @@ activation recomputation) it computes, with the formulas of ``tinytrain/parallel
   stage × micro-batches a 1F1B stage holds, min(p, m));
 * step time: compute (``gpt_flops`` / (peak × ``matmul_efficiency``: lower for the few tokens of a
   small micro-batch or a short context shard)) per micro-batch, plus per micro-batch
-  each TP all-reduce, CP ring transfer beyond what attention hides, PP boundary message, on the link
-  it crosses (α-β: ``collective_time``), times (m + p - 1) micro-batch slots (the bubble,
-  ``bubble_formula``), plus the data-parallel gradient sync that backward does not hide.
+  each TP all-reduce (the blocks'; the vocab-parallel embedding, head and loss,
+  ``vocab_parallel_volume``, spread over the stages as the logits' FLOPs are), CP ring transfer
+  beyond what attention hides, PP boundary message, on the link it crosses (α-β:
+  ``collective_time``), times (m + p - 1) micro-batch slots (the bubble, ``bubble_formula``),
+  plus the data-parallel gradient sync that backward does not hide.
 
 The mesh is tinytrain's: TP innermost (neighbouring GPUs), then CP, EP, PP, DP outermost; a group whose
 ranks lie within ``gpus_per_node`` consecutive GPUs talks over the intra-node link, otherwise over
@@ -31,6 +33,7 @@ from tinytrain.parallel.costs import (
     attention_share,
     bubble_formula,
     collective_time,
+    context_parallel_volume,
     data_parallel_volume,
     expert_parallel_volume,
     gpt_flops,
@@ -38,6 +41,7 @@ from tinytrain.parallel.costs import (
     matmul_efficiency,
     mlp_parameters,
     tensor_parallel_volume,
+    vocab_parallel_volume,
     zero_memory,
 )
 
@@ -191,6 +195,12 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
     tp_link = cl.link(lo.tp)
     passes = 3 if lo.recompute else 2
     tp = layers * passes * 2 * collective_time("all_reduce", activation, lo.tp, *tp_link)
+    # the vocab-parallel embedding, head and loss: 2 all-reduces of an activation, 3 of a number per
+    # token (SP: about the same), on the first and last stage: spread over the stages, as the logits' FLOPs are
+    tokens_bytes = lo.microbatch * s * ACTIVATION_BYTES
+    edges = sum(vocab_parallel_volume(activation, tokens_bytes, lo.tp, lo.sp).values())
+    edge_ars = ((activation, 2), (tokens_bytes, 3))
+    tp += sum(k * collective_time("all_reduce", x, lo.tp, *tp_link) for x, k in edge_ars) / lo.pp
     kv = 2 * activation / lo.tp  # this rank's K and V heads
     cp_link = cl.link(lo.tp * lo.cp)
     cp_send = collective_time("send", kv, lo.cp, *cp_link) if lo.cp > 1 else 0.0
@@ -216,8 +226,8 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
     dp_exposed = dp_time if lo.pp > 1 else max(0.0, dp_time - backward)
     step = pipeline + dp_exposed
     sent = {  # bytes each GPU sends per step
-        "tensor_parallel": m * layers * tensor_parallel_volume(activation, lo.tp, passes),
-        "context_parallel": m * layers * (3 * lo.cp - 2) * kv if lo.cp > 1 else 0.0,
+        "tensor_parallel": m * (layers * tensor_parallel_volume(activation, lo.tp, passes) + edges / lo.pp),
+        "context_parallel": m * layers * context_parallel_volume(activation / lo.tp, lo.cp),
         "pipeline": 2 * m * boundary if lo.pp > 1 else 0.0,
         "expert_parallel": m
         * layers
