@@ -1,11 +1,20 @@
 """``tinytrain bench step``: one GPT training step in tinytrain vs the same model in PyTorch.
 
-Both run on the CPU in the same process (on a GPU machine, both on the GPU: tinytrain with CuPy,
-PyTorch with CUDA), float32, with the same number of threads, from the
-same initial weights and the same batch; their step times are measured interleaved (tinytrain,
-PyTorch, tinytrain, ...) so that load from elsewhere hits both alike, and the ratio of the
-medians is reported. The first step's losses are compared too: if they differ, the two models
-are not the same model and the timing would mean nothing.
+Each framework runs in its own process (``python -m tinytrain.bench.step --worker NAME``), float32,
+with the same number of threads (``OMP_NUM_THREADS``/``OPENBLAS_NUM_THREADS`` set before NumPy or
+PyTorch start their thread pools), from the same initial weights and the same batch. Why not one
+process: NumPy's OpenBLAS threads and PyTorch's OpenMP threads keep spinning for a while after
+their work, so timed in one process each framework runs while the other's pool takes the cores.
+
+The parent alternates runs of ``--block`` steps (tinytrain's block, PyTorch's block, ...) so that
+load from elsewhere hits both alike; between blocks it waits ``--settle`` seconds, longer than
+either pool spins, and the worker not being timed waits asleep on its pipe. The ratio of the
+medians is reported. The first step's losses are compared too: if they differ, the two models are
+not the same model and the timing would mean nothing.
+
+The printed check: while one worker's block runs, the parent reads from ``/proc`` how much CPU the
+other worker used. That is the distortion this design removes; above ``IDLE_LIMIT`` of one core the
+row says ``DISTURBED`` (``idle_cpu`` in ``--json``), so the distortion cannot come back unseen.
 
 A step is: forward, cross-entropy, backward, AdamW update. PyTorch uses its fused
 ``scaled_dot_product_attention``; tinytrain uses its own fused attention Function.
@@ -14,9 +23,13 @@ A step is: forward, cross-entropy, backward, AdamW update. PyTorch uses its fuse
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import select
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy
@@ -32,12 +45,18 @@ CONFIGS = {
     # wider and deeper, longer context: matmuls dominate
     "wide": dict(model=dict(vocab_size=96, block_size=64, n_layer=4, n_head=8, n_embd=512), batch=16),
 }
+# name -> "module:function" building (step function, ...) in a worker; see tinytrain_step
+FRAMEWORKS = {"tinytrain": f"{__name__}:tinytrain_step", "torch": f"{__name__}:torch_step"}
+IDLE_LIMIT = 0.10  # of one core: more CPU than this from the idle worker while the other is timed
+_WAIT_S = 600.0  # the longest one block (or a worker's start) may take
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--steps", type=int, default=20, help="timed steps per framework and config")
     p.add_argument("--threads", type=int, default=None, help="threads for both (default: CPU count)")
+    p.add_argument("--block", type=int, default=5, help="steps per alternating run of one framework")
+    p.add_argument("--settle", type=float, default=0.3, help="seconds between runs (idle thread pools stop spinning)")
     p.add_argument("--json", default=None, help="write the rows to this file")
 
 
@@ -92,67 +111,188 @@ def torch_gpt(model: GPT, torch):
     return tm.to(torch_device(torch))
 
 
-def _time_steps(step_fns, steps):
-    """Run the step functions interleaved ``steps`` times; return each one's list of seconds."""
-    times = [[] for _ in step_fns]
-    for _ in range(steps):
-        for i, fn in enumerate(step_fns):
-            t0 = time.perf_counter()
-            fn()
-            times[i].append(time.perf_counter() - t0)
-    return times
-
-
-def bench_config(name, steps, torch):
+def _batch(name: str):
+    """(config, x, y) of ``name``: the same batch in every worker."""
     spec = CONFIGS[name]
     config = GPTConfig(**spec["model"])
-    model = GPT(config, seed=0)
-    rng = numpy.random.default_rng(0)
-    ids = rng.integers(0, config.vocab_size, size=(spec["batch"], config.block_size + 1))
-    x, y = ids[:, :-1], ids[:, 1:]
-    opt = AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    ids = numpy.random.default_rng(0).integers(0, config.vocab_size, size=(spec["batch"], config.block_size + 1))
+    return config, ids[:, :-1], ids[:, 1:]
 
-    def ours():
-        loss = F.cross_entropy(model(xp.asarray(x)), xp.asarray(y))
+
+def tinytrain_step(name: str, threads: int):
+    """tinytrain's training step of config ``name``: a function running one step, returning its loss."""
+    config, x, y = _batch(name)
+    model = GPT(config, seed=0)
+    opt = AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    x, y = xp.asarray(x), xp.asarray(y)
+
+    def step():
+        loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         return loss.item()
 
-    row = {
-        "config": name,
-        "params": model.num_parameters(),
-        "batch": spec["batch"],
-        "tokens": spec["batch"] * config.block_size,
-        **spec["model"],
-    }
-    if torch is None:
-        ours()
-        (t_ours,) = _time_steps([ours], steps)
-        row.update(tinytrain_ms=1e3 * statistics.median(t_ours))
-        return row
+    return step
 
-    tm = torch_gpt(model, torch)
-    topt = torch.optim.AdamW(tm.parameters(), lr=1e-4, weight_decay=0.0)
+
+def torch_step(name: str, threads: int):
+    """The same step in PyTorch: the same GPT (tinytrain's initial weights copied in), batch, AdamW."""
+    import torch
+
+    torch.set_num_threads(threads)
+    config, x, y = _batch(name)
+    tm = torch_gpt(GPT(config, seed=0), torch)
+    opt = torch.optim.AdamW(tm.parameters(), lr=1e-4, weight_decay=0.0)
     tx, ty = (torch.from_numpy(a).to(torch_device(torch)) for a in (x, y))
 
-    def theirs():
+    def step():
         loss = torch.nn.functional.cross_entropy(tm(tx).flatten(0, 1), ty.flatten())
-        topt.zero_grad()
+        opt.zero_grad()
         loss.backward()
-        topt.step()
+        opt.step()
+        if tx.is_cuda:
+            torch.cuda.synchronize()
         return loss.item()
 
-    first_ours, first_theirs = ours(), theirs()  # also the warm-up step
-    if abs(first_ours - first_theirs) > 1e-3 * max(1.0, abs(first_theirs)):
-        raise RuntimeError(f"models differ: first loss {first_ours} (tinytrain) vs {first_theirs} (PyTorch)")
-    t_ours, t_theirs = _time_steps([ours, theirs], steps)
-    row.update(
-        tinytrain_ms=1e3 * statistics.median(t_ours),
-        torch_ms=1e3 * statistics.median(t_theirs),
-        first_loss_diff=abs(first_ours - first_theirs),
-    )
-    row["ratio"] = row["tinytrain_ms"] / row["torch_ms"]
+    return step
+
+
+def torch_available() -> bool:
+    """PyTorch importable, checked without importing it here (its thread pool stays out of this process)."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+# --- the worker: one framework in its own process ----------------------------------------------------
+
+
+def _worker(framework: str, name: str, threads: int) -> int:
+    """Build the step, run the warm-up step (reported: its loss), then on each ``run K`` line run K
+    timed steps and reply with their seconds; quit on EOF. One JSON line per reply."""
+    try:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(threads)
+    except ImportError:
+        pass  # OPENBLAS_NUM_THREADS, set by the parent before NumPy started, does it
+    module, function = FRAMEWORKS.get(framework, framework).split(":")
+    step = getattr(importlib.import_module(module), function)(name, threads)
+    print(json.dumps({"first_loss": step()}), flush=True)  # also the warm-up step
+    for line in sys.stdin:
+        times = []
+        for _ in range(int(line.split()[1])):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        print(json.dumps({"seconds": times}), flush=True)
+    return 0
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds process ``pid`` has used, all its threads together, to the nanosecond (Linux:
+    ``/proc/PID/task/*/schedstat``; the clock ticks of ``/proc/PID/stat`` are too coarse for a
+    step of milliseconds). None where there is no such file."""
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
+
+
+class Worker:
+    """One framework's step in its own process, with ``threads`` threads; driven over a pipe."""
+
+    def __init__(self, framework: str, name: str, threads: int):
+        self.framework = framework
+        env = dict(
+            os.environ, **{k: str(threads) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+        )
+        command = [sys.executable, "-m", __name__, "--worker", framework, name, str(threads)]
+        self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.first_loss = self._reply()["first_loss"]
+
+    def run(self, steps: int) -> list[float]:
+        """Seconds of each of ``steps`` steps, run now."""
+        self.proc.stdin.write(f"run {steps}\n".encode())
+        self.proc.stdin.flush()
+        return self._reply()["seconds"]
+
+    def _reply(self) -> dict:
+        fd = self.proc.stdout.fileno()
+        if not select.select([fd], [], [], _WAIT_S)[0]:
+            self.close()
+            raise RuntimeError(f"the {self.framework} worker did not answer in {_WAIT_S:g} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.framework} worker exited (code {self.proc.wait()}); its error is above")
+        return json.loads(line)
+
+    def cpu_seconds(self) -> float | None:
+        return _cpu_seconds(self.proc.pid)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def alternate(workers: list, steps: int, block: int, settle: float) -> tuple[list, list]:
+    """Runs of ``block`` steps of each worker in turn until each ran ``steps``: (each one's seconds
+    per step, each one's idle CPU: the most CPU, as a share of one core, that it used during another
+    worker's run). A worker not being timed waits asleep on its pipe; ``settle`` seconds between runs
+    let the last run's thread pool stop spinning before the next one starts."""
+    times, idle = [[] for _ in workers], [0.0 for _ in workers]
+    while len(times[0]) < steps:
+        k = min(block, steps - len(times[0]))
+        for i, worker in enumerate(workers):
+            time.sleep(settle)
+            others = [(j, w.cpu_seconds()) for j, w in enumerate(workers) if j != i]
+            start = time.perf_counter()
+            times[i] += worker.run(k)
+            wall = time.perf_counter() - start
+            for j, before in others:
+                after = workers[j].cpu_seconds()
+                if before is not None and after is not None:
+                    idle[j] = max(idle[j], (after - before) / wall)
+    return times, idle
+
+
+def compare(name: str, steps: int, threads: int, reference: str = "torch", block: int = 5, settle: float = 0.3) -> dict:
+    """One row: config ``name`` timed in a tinytrain worker and a ``reference`` worker, alternating."""
+    config = GPTConfig(**CONFIGS[name]["model"])
+    row = {
+        "config": name,
+        "params": GPT(config, seed=0).num_parameters(),
+        "batch": CONFIGS[name]["batch"],
+        "tokens": CONFIGS[name]["batch"] * config.block_size,
+        **CONFIGS[name]["model"],
+        "threads": threads,
+    }
+    workers = [Worker("tinytrain", name, threads)] + ([Worker(reference, name, threads)] if reference else [])
+    try:
+        first = [w.first_loss for w in workers]
+        if reference and abs(first[0] - first[1]) > 1e-3 * max(1.0, abs(first[1])):
+            raise RuntimeError(f"models differ: first loss {first[0]} (tinytrain) vs {first[1]} ({reference})")
+        times, idle = alternate(workers, steps, block, settle)
+    finally:
+        for w in workers:
+            w.close()
+    row["tinytrain_ms"] = 1e3 * statistics.median(times[0])
+    if reference:  # alone, there is no neighbour to disturb it
+        row["idle_cpu"] = {w.framework: share for w, share in zip(workers, idle)}
+        row["disturbed"] = max(idle) > IDLE_LIMIT
+    if reference:
+        row.update(torch_ms=1e3 * statistics.median(times[1]), first_loss_diff=abs(first[0] - first[1]))
+        row["ratio"] = row["tinytrain_ms"] / row["torch_ms"]
     return row
 
 
@@ -161,37 +301,56 @@ def run(args) -> int:
         raise ValueError(f"--steps must be positive, got {args.steps}")
     if args.threads is not None and args.threads <= 0:
         raise ValueError(f"--threads must be positive, got {args.threads}")
+    if args.block <= 0:
+        raise ValueError(f"--block must be positive, got {args.block}")
+    if args.settle < 0:
+        raise ValueError(f"--settle must be 0 or more seconds, got {args.settle}")
     threads = args.threads or os.cpu_count()
-    try:
-        import torch
-
-        torch.set_num_threads(threads)
-    except ImportError:
-        torch = None
+    reference = "torch" if torch_available() else None
+    if reference is None:
         print(
             "PyTorch is not importable: timing tinytrain alone (no ratio). "
             '`pip install -e ".[bench]"` (or `pip install torch`) to compare.'
         )
     if device != "cpu":
-        where = torch_device(torch) if torch is not None else "-"
-        print(f"note: tinytrain runs on its {device} device here; PyTorch on {where}", flush=True)
-    try:
-        from threadpoolctl import threadpool_limits
-
-        threadpool_limits(threads)
-    except ImportError:
-        pass  # NumPy's BLAS then uses its default, which is the CPU count
-    print(f"one training step (forward + backward + AdamW), float32, {threads} threads, median of {args.steps}")
-    print(f"{'config':<8} {'params':>10} {'tokens':>7} {'tinytrain ms':>13} {'torch ms':>9} {'ratio':>6}")
+        print(f"note: tinytrain runs on its {device} device here; PyTorch on the GPU if it can", flush=True)
+    print(
+        f"one training step (forward + backward + AdamW), float32, {threads} threads each, median of {args.steps}; "
+        f"each framework in its own process, runs of {args.block} steps alternating"
+    )
+    print(
+        f"{'config':<8} {'params':>10} {'tokens':>7} {'tinytrain ms':>13} {'torch ms':>9} {'ratio':>6}"
+        "  idle-neighbour check"
+    )
     rows = []
     for name in args.configs:
-        row = bench_config(name, args.steps, torch)
+        row = compare(name, args.steps, threads, reference, args.block, args.settle)
         rows.append(row)
         torch_ms = f"{row['torch_ms']:9.2f}" if "torch_ms" in row else f"{'-':>9}"
         ratio = f"{row['ratio']:5.2f}x" if "ratio" in row else f"{'-':>6}"
-        print(f"{name:<8} {row['params']:>10,} {row['tokens']:>7} {row['tinytrain_ms']:13.2f} {torch_ms} {ratio}")
-    print("ratio = tinytrain step time / PyTorch step time (lower is better; 1.0 = as fast)")
+        print(
+            f"{name:<8} {row['params']:>10,} {row['tokens']:>7} {row['tinytrain_ms']:13.2f} {torch_ms} {ratio}"
+            f"  {_check(row)}"
+        )
+    print("ratio = tinytrain step time / PyTorch step time (above 1: tinytrain slower; 1.0 = as fast)")
+    print(
+        f"idle-neighbour check: CPU the worker not being timed used meanwhile, in % of one core "
+        f"(DISTURBED above {100 * IDLE_LIMIT:.0f}%: the timings include the other's thread pool)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _check(row: dict) -> str:
+    if "idle_cpu" not in row:
+        return "- (tinytrain alone)"
+    shares = ", ".join(f"{k} {100 * v:.1f}%" for k, v in row["idle_cpu"].items())
+    return ("DISTURBED: " if row["disturbed"] else "ok: ") + shares
+
+
+if __name__ == "__main__":  # a worker: python -m tinytrain.bench.step --worker FRAMEWORK CONFIG THREADS
+    if sys.argv[1:2] != ["--worker"] or len(sys.argv) != 5:
+        sys.exit("run `tinytrain bench step` (this module's own entry is its worker)")
+    sys.exit(_worker(sys.argv[2], sys.argv[3], int(sys.argv[4])))

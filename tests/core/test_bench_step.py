@@ -1,0 +1,87 @@
+"""`tinytrain bench step` times each framework in its own process, in alternating runs, and checks
+that the worker not being timed stays idle. PyTorch is not needed here: a fake reference (the same
+tinytrain step in a second worker, or one whose "thread pool" keeps spinning) stands in for it."""
+
+import argparse
+import json
+
+import pytest
+
+from tinytrain.bench import step as bench
+
+FAKES = '''
+import threading
+import time
+
+from tinytrain.bench.step import tinytrain_step
+
+
+def quiet_step(name, threads):
+    return tinytrain_step(name, threads)
+
+
+def spinning_step(name, threads):
+    """A reference whose pool keeps a core busy for 2 s after every step (as spinning BLAS/OpenMP
+    threads do), so it takes the cores from whatever is timed next."""
+    step = tinytrain_step(name, threads)
+
+    def spin():
+        end = time.perf_counter() + 2.0
+        while time.perf_counter() < end:
+            pass
+
+    def step_then_spin():
+        loss = step()
+        threading.Thread(target=spin, daemon=True).start()
+        return loss
+
+    return step_then_spin
+
+
+def other_model_step(name, threads):
+    step = tinytrain_step(name, threads)
+    return lambda: step() + 1.0
+'''
+
+
+@pytest.fixture
+def fakes(tmp_path, monkeypatch):
+    (tmp_path / "bench_fakes.py").write_text(FAKES)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the workers import it
+    return "bench_fakes"
+
+
+def test_each_framework_runs_in_its_own_worker_and_the_idle_one_stays_idle(fakes):
+    row = bench.compare("default", steps=4, threads=1, reference=f"{fakes}:quiet_step", block=2, settle=0.2)
+    assert row["first_loss_diff"] == 0.0  # the same model from the same weights
+    assert row["ratio"] == pytest.approx(row["tinytrain_ms"] / row["torch_ms"])
+    assert set(row["idle_cpu"]) == {"tinytrain", f"{fakes}:quiet_step"}
+    assert not row["disturbed"], row["idle_cpu"]  # asleep on its pipe: next to no CPU
+    assert "ok: tinytrain " in bench._check(row)
+
+
+def test_the_check_catches_a_neighbour_whose_threads_keep_spinning(fakes):
+    """The distortion of timing both in one process, brought back on purpose: the check must see it."""
+    row = bench.compare("default", steps=2, threads=1, reference=f"{fakes}:spinning_step", block=1, settle=0.0)
+    assert row["disturbed"] and row["idle_cpu"][f"{fakes}:spinning_step"] > bench.IDLE_LIMIT, row["idle_cpu"]
+    assert bench._check(row).startswith("DISTURBED: ")
+
+
+def test_different_models_are_refused(fakes):
+    with pytest.raises(RuntimeError, match="models differ: first loss"):
+        bench.compare("default", steps=1, threads=1, reference=f"{fakes}:other_model_step")
+
+
+def test_without_torch_tinytrain_is_timed_alone_and_the_table_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "torch_available", lambda: False)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "rows.json"
+    args = parser.parse_args(["--configs", "default", "--steps", "2", "--threads", "1", "--json", str(out)])
+    assert bench.run(args) == 0
+    printed = capsys.readouterr().out
+    assert "PyTorch is not importable" in printed
+    assert "ratio = tinytrain step time / PyTorch step time (above 1: tinytrain slower" in printed
+    assert "- (tinytrain alone)" in printed
+    (row,) = json.loads(out.read_text())
+    assert row["config"] == "default" and row["tinytrain_ms"] > 0 and "ratio" not in row
