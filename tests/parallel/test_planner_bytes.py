@@ -14,6 +14,7 @@ from tinytrain import planner
 from tinytrain.nn import GPTConfig
 from tinytrain.parallel import costs
 from tinytrain.parallel.plan import Plan
+from tinytrain.planner.layouts import ACTIVATION_BYTES
 
 # 4 layers and 4 heads, so that --pp 4, --tp 4 and --cp-algo alltoall all split it
 CONFIG = GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=4, n_embd=32)
@@ -103,3 +104,20 @@ def test_expert_parallel_bytes_are_the_formula_on_the_measured_routing(monkeypat
     # even routing (the planner's estimate) sends (ep-1)/ep of the rows away; this step's differ from it
     even = planner.run_bytes(spec, ep=4)[("ep", "all_to_all")] - measured[("ep", "all_to_all")]
     assert even == 4 * SPEC.hidden * 4 * (SPEC.batch * SPEC.seq * top_k * SPEC.layers * 3 / 4 - rows_away)
+
+
+@pytest.mark.parametrize(
+    "layout, part, key, flags",
+    [
+        (planner.Layout(tp=4, microbatch=8), "tensor_parallel", ("tp", "all_reduce"), dict(tp=4)),
+        (planner.Layout(dp=2, tp=2, microbatch=4), "tensor_parallel", ("tp", "all_reduce"), dict(dp=2, tp=2)),
+        (planner.Layout(cp=4, microbatch=8), "context_parallel", ("cp", "send"), dict(cp=4)),
+    ],
+)
+def test_tinytrain_plans_bytes_are_the_measured_ones_in_fp32(layout, part, key, flags):
+    """`tinytrain plan` counts 16-bit activations per GPU; at 4 bytes, times the GPUs, its TP and CP
+    bytes are run_bytes', which the tests above measure (the same formulas of costs.py)."""
+    row = planner.estimate(SPEC, planner.Cluster(), layout)
+    assert row["microbatches"] == 1
+    fp32 = 4 / ACTIVATION_BYTES
+    assert row["bytes_sent"][part] * fp32 * layout.gpus == planner.run_bytes(SPEC, **flags)[key]
