@@ -1,7 +1,11 @@
 """Benchmarks, run as ``tinytrain bench NAME [options]``.
 
-Every benchmark measures a reference in the same run (PyTorch on the same CPU, MPI's own
-collective) and reports ratios, never bare times: these machines are shared and noisy.
+``step`` and ``collectives`` measure a reference in the same run and report ratios, never bare
+times: these machines are shared and noisy. The reference runs where ours cannot disturb it nor be
+disturbed by it, as a user would get it: PyTorch in its own process (thread pools apart), MPI in
+its own ``mpirun`` launch with MPICH's default settings (tinytrain's are read at ``MPI_Init``); the
+two sides alternate, so load from elsewhere hits both alike. ``strategies`` compares the parallel
+strategies with each other (and with serial) on the same model: time, bytes sent, memory.
 Each benchmark is a module here with ``add_arguments(parser)`` and ``run(args)``.
 """
 

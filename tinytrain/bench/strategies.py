@@ -200,7 +200,10 @@ def run(args) -> int:
         )
     if args.n_embd <= 0 or args.n_embd % 4:
         raise ValueError(f"--n-embd must be a positive multiple of 4 (4 heads, --tp 4), got {args.n_embd}")
+    from tinytrain.distributed import watchdog
+
     dist.init()
+    watchdog.start_heartbeat()  # while rank 0 runs the serial step alone, the others know it is busy, not gone
     if dist.get_world_size() != RANKS:
         raise ValueError(f"bench strategies runs on {RANKS} ranks: mpirun -n {RANKS} tinytrain bench strategies")
     config = GPTConfig(**dict(MODEL, n_embd=args.n_embd, n_layer=args.n_layer, block_size=args.block_size))
