@@ -23,9 +23,11 @@ def run_bytes(
     cp_algo: str = "ring",
     ep: int = 1,
     rows_away: int | None = None,
+    clip: bool = False,
 ) -> dict:
     """Bytes all ranks together send in one ``forward_backward`` + ``step`` of ``tinytrain train``
-    with these flags (fp32), by (group, op), each term a formula of ``parallel/costs.py`` summed
+    with these flags (fp32), and with ``clip`` the gradient clipping between them (``--grad-clip``,
+    on by default: ``clipping_bytes``), by (group, op), each term a formula of ``parallel/costs.py`` summed
     over the ranks that send it (summed, a ring's uneven chunks cancel, so these are exact).
 
     Data parallel (the data group: dp × cp ranks holding the same weights): the gradient sync
@@ -56,8 +58,9 @@ def run_bytes(
         raise ValueError(
             "run_bytes is exact for --dp/--zero, --tp [--sp] with --dp, --pp with --dp <= 2, --cp and --ep alone"
         )
+    clipping = clipping_bytes(dp, tp, pp, cp, ep, zero) if clip else {}
     if ep > 1:
-        return _expert_parallel_bytes(model, ep, rows_away, itemsize)
+        return _merged(_expert_parallel_bytes(model, ep, rows_away, itemsize), clipping)
     h, s, rows = model.hidden, model.seq, model.batch // dp  # rows: one replica's sequences
     data = dp * cp  # the ranks that hold the same weights and average their gradients
     out: dict = {}
@@ -81,7 +84,7 @@ def run_bytes(
         add("pp", "all_reduce", loss_average(pp, dp))
         add("dp", "all_reduce", dp * collective_bytes("all_reduce", (model.parameters + tied) * itemsize, dp))
         add("dp", "all_reduce", loss_average(dp, pp))
-        return {k: round(v) for k, v in out.items()}
+        return _merged(out, clipping)
     if tp > 1:
         activation, tokens = rows * s * h * itemsize, rows * s * itemsize
         partial = norms_and_biases * itemsize
@@ -108,7 +111,35 @@ def run_bytes(
         add(group, "reduce_scatter", data * collective_bytes("reduce_scatter", psi * itemsize, data))
         add(group, "all_gather", data * collective_bytes("all_gather", gathered * itemsize, data))
     add(group, "all_reduce", loss_average(data, tp))
-    return {k: round(v) for k, v in out.items()}
+    return _merged(out, clipping)
+
+
+def clipping_bytes(dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, zero: int = 0) -> dict:
+    """Bytes all ranks send to clip by the global gradient norm (``clip_grad_norm_`` of
+    ``parallel/hybrid.py``): sums of squares, float64, all-reduced over each group whose ranks hold
+    different gradients: 3 over the data group (ZeRO's pieces) and the pipeline (its stages), then
+    one over TP (its shards) and one over EP (its experts). Each is a recursive doubling."""
+    from tinytrain.distributed.choice import choose_all_reduce_algo
+
+    world, data = dp * tp * pp * cp * ep, dp * cp * ep
+    sums = {"dp": 3 * 8 if zero else 0, "pp": 3 * 8, "tp": 8, "ep": 8}
+    sizes = {"dp": data, "pp": pp, "tp": tp, "ep": ep}
+    if cp > 1:  # the data group of a context-parallel run is counted as "cp" (run_bytes)
+        sums["cp"], sizes["cp"] = sums.pop("dp"), sizes.pop("dp")
+    return {
+        (group, "all_reduce"): world * collective_bytes("all_reduce", sums[group], n, choose_all_reduce_algo(8))
+        for group, n in sizes.items()
+        if n > 1 and sums[group]
+    }
+
+
+def _merged(*parts: dict) -> dict:
+    """The (group, op) bytes of ``parts`` added up, as integers."""
+    out: dict = {}
+    for part in parts:
+        for key, nbytes in part.items():
+            out[key] = out.get(key, 0) + nbytes
+    return {key: round(nbytes) for key, nbytes in out.items()}
 
 
 def _expert_parallel_bytes(model: ModelSpec, ep: int, rows_away: int | None, itemsize: int) -> dict:
@@ -154,7 +185,7 @@ def bench_points(rows: list) -> list[tuple[int, float, float]]:
     return points
 
 
-def measure_step(plan, config, batch_size: int = 8, seed: int = 0):
+def measure_step(plan, config, batch_size: int = 8, seed: int = 0, max_norm: float = 0.0):
     """One ``forward_backward`` + optimizer step of the GPT ``config`` under ``plan`` (every rank
     calls it, under mpirun with ``plan.world_size`` ranks): the ``comm_stats`` of the step, and its
     seconds on this rank. Traced, the step is a ``"step"`` span (building the model, whose
@@ -177,6 +208,8 @@ def measure_step(plan, config, batch_size: int = 8, seed: int = 0):
     start = time.perf_counter()
     with dist.comm_stats() as stats, trace.span("step", cat="step", step=1):  # as `tinytrain train` traces a step
         parallel.forward_backward(x, y)
+        if max_norm:  # `tinytrain train --grad-clip` (1.0 by default) clips between them
+            parallel.clip_grad_norm_(max_norm)
         parallel.step(optimizer)
     return stats, time.perf_counter() - start
 
