@@ -377,8 +377,8 @@ class BaselineLaunch:
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                 )
-            except ValueError as bad:
-                self.proc = bad
+            except Exception as failure:  # no launcher, cannot start it: said by ask() on every rank
+                self.proc = failure
         self.settings = self.ask({"op": "hello"})["settings"]
 
     def ask(self, request: dict) -> dict:
@@ -399,7 +399,7 @@ class BaselineLaunch:
         return reply
 
     def _exchange(self, request: dict) -> dict:
-        if isinstance(self.proc, ValueError):
+        if isinstance(self.proc, Exception):
             raise self.proc
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
