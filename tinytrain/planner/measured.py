@@ -27,8 +27,8 @@ def run_bytes(
 ) -> dict:
     """Bytes all ranks together send in one ``forward_backward`` + ``step`` of ``tinytrain train``
     with these flags (fp32), and with ``clip`` the gradient clipping between them (``--grad-clip``,
-    on by default: ``clipping_bytes``), by (group, op), each term a formula of ``parallel/costs.py`` summed
-    over the ranks that send it (summed, a ring's uneven chunks cancel, so these are exact).
+    on by default: ``clipping_bytes``), by (group, op), each term a formula of ``parallel/costs.py``
+    summed over the ranks that send it (summed, a ring's uneven chunks cancel, so these are exact).
 
     Data parallel (the data group: dp × cp ranks holding the same weights): the gradient sync
     (``data_parallel_volume``, ring; a tied embedding counts once in Ψ and, under ZeRO-3, is gathered
@@ -45,18 +45,18 @@ def run_bytes(
     of ``rows_away``: rows the forward sent to another rank, summed over ranks and layers; routing
     decides it, so pass the measured count; None: the even share (ep-1)/ep of every token's top_k
     rows); then the dense gradients, with one has-gradient flag per tensor, averaged over the EP
-    group. Layouts beyond these (TP with PP, CP or ZeRO; PP with ZeRO or CP)
-    are refused rather than guessed."""
+    group. Other combinations (TP with PP, CP or ZeRO; PP with ZeRO, CP or dp > 2; CP with DP or
+    ZeRO; EP with anything) are refused rather than guessed: the tests measure the ones above."""
     from tinytrain.distributed.choice import choose_all_reduce_algo
 
     if (
         (ep > 1 and (dp > 1 or tp > 1 or pp > 1 or cp > 1 or zero))
         or (tp > 1 and (pp > 1 or cp > 1 or zero))
         or (pp > 1 and (cp > 1 or zero or dp > 2))
-        or (cp > 1 and dp > 1)
+        or (cp > 1 and (dp > 1 or zero))
     ):
         raise ValueError(
-            "run_bytes is exact for --dp/--zero, --tp [--sp] with --dp, --pp with --dp <= 2, --cp and --ep alone"
+            "run_bytes is exact for --dp [--zero], --tp [--sp] with --dp, --pp with --dp <= 2, --cp and --ep alone"
         )
     clipping = clipping_bytes(dp, tp, pp, cp, ep, zero) if clip else {}
     if ep > 1:
