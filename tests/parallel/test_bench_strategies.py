@@ -55,6 +55,10 @@ def test_every_strategy_has_a_row_with_time_bytes_and_memory(tmp_path, capsys):
     for name in ("tp", "tp+sp", "pp-gpipe", "pp-1f1b", "pp-interleaved"):
         assert max(rows[name]["params_bytes"]) < psi_bytes, name
         assert min(rows[name]["sent_bytes"]) > 0, name
+    # the pipeline schedules send the same messages in another order; 1F1B holds fewer microbatches'
+    # activations at once than GPipe (at most pp instead of all of them)
+    assert rows["pp-1f1b"]["sent_bytes"] == rows["pp-gpipe"]["sent_bytes"]
+    assert max(rows["pp-1f1b"]["activations_bytes"]) < max(rows["pp-gpipe"]["activations_bytes"])
     printed = capsys.readouterr().out
     assert "x serial = this strategy's step time / the serial step time" in printed
     for name in bench.STRATEGIES:
