@@ -124,3 +124,11 @@ def test_tinytrain_plans_bytes_are_the_measured_ones_in_fp32(layout, part, key, 
     assert row["microbatches"] == 1
     fp32 = 4 / ACTIVATION_BYTES
     assert row["bytes_sent"][part] * fp32 * layout.gpus == planner.run_bytes(SPEC, **flags)[key]
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("schedule, microbatches", [("1f1b", None), ("gpipe", 2)])
+def test_planner_bytes_equal_a_measured_two_stage_pipeline(schedule, microbatches):
+    """--pp 2 on its own (2 ranks): the boundary messages, the tied gradient swap, the loss."""
+    measured = measured_bytes(Plan(pp=2, schedule=schedule, microbatches=microbatches))
+    assert measured == planner.run_bytes(SPEC, pp=2, microbatches=microbatches, clip=True)
