@@ -23,7 +23,10 @@ import traceback
 _COMMANDS = {
     "train": ("tinytrain.trainer", "train a GPT (serial, or under mpirun with --dp/--tp/--pp)"),
     "sample": ("tinytrain.sample", "print text generated from a checkpoint"),
-    "bench": ("tinytrain.bench", "benchmarks: `tinytrain bench step`, `tinytrain bench collectives`"),
+    "bench": (
+        "tinytrain.bench",
+        "benchmarks: `tinytrain bench step`, `tinytrain bench collectives`, `tinytrain bench strategies`",
+    ),
     "plan": ("tinytrain.planner", "which layouts fit a model on a cluster, and which is fastest"),
     "doctor": ("tinytrain.doctor", "what this machine and its MPI offer: versions, device, settings"),
 }
