@@ -9,7 +9,7 @@ import pytest
 
 from tinytrain import distributed as dist
 from tinytrain.bench import collectives as bench
-from tinytrain.distributed._mpi import _MPICH_DEFAULTS
+from tinytrain.distributed._mpi import MPICH_DEFAULTS
 
 
 def _run(tmp_path, *flags):
@@ -112,10 +112,10 @@ def test_the_baseline_environment_drops_our_settings_and_this_launchs_wiring(mon
     monkeypatch.setenv("PMI_RANK", "3")
     monkeypatch.setenv("HYDI_CONTROL_FD", "7")
     monkeypatch.setenv("SOME_USER_SETTING", "kept")
-    for key, value in _MPICH_DEFAULTS.items():
+    for key, value in MPICH_DEFAULTS.items():
         monkeypatch.setenv(key, value)
     env = bench.baseline_environment()
-    assert not set(_MPICH_DEFAULTS) & set(env)
+    assert not set(MPICH_DEFAULTS) & set(env)
     assert "PMI_RANK" not in env and "HYDI_CONTROL_FD" not in env
     assert env["TINYTRAIN_MPI_DEFAULTS"] == "0" and env["SOME_USER_SETTING"] == "kept"
     assert bench.mpich_settings(env) == "none (MPICH's own defaults)"

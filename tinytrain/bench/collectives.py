@@ -320,9 +320,9 @@ def mpich_settings(env=None) -> str:
 
 def baseline_environment() -> dict:
     """This environment without this launch's wiring and without tinytrain's MPICH settings."""
-    from tinytrain.distributed._mpi import _MPICH_DEFAULTS
+    from tinytrain.distributed._mpi import MPICH_DEFAULTS
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) and k not in _MPICH_DEFAULTS}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) and k not in MPICH_DEFAULTS}
     env["TINYTRAIN_MPI_DEFAULTS"] = "0"
     return env
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-_MPICH_DEFAULTS = {
+MPICH_DEFAULTS = {
     # Yield the CPU inside MPICH's progress loop after polls that made no progress.
     "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1",
     # ...and make that yield a real sleep, not sched_yield (which on Linux may return at once).
@@ -28,7 +28,7 @@ _MPICH_DEFAULTS = {
 }
 
 if os.environ.get("TINYTRAIN_MPI_DEFAULTS", "1") != "0":
-    for _key, _value in _MPICH_DEFAULTS.items():
+    for _key, _value in MPICH_DEFAULTS.items():
         os.environ.setdefault(_key, _value)
 
 import mpi4py  # noqa: E402
