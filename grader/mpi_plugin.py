@@ -48,7 +48,7 @@ os.environ.setdefault("TINYTRAIN_DEBUG", "1")
 import pytest  # noqa: E402
 from _pytest.runner import runtestprotocol  # noqa: E402
 
-from .exits import EXIT_DEADLINE, EXIT_ERROR  # noqa: E402
+from .exits import DEADLINE_BANNER, EXIT_DEADLINE, EXIT_ERROR  # noqa: E402
 
 _TAG = 11
 _GRACE = 2.0  # seconds an expiring rank waits after printing its stacks, so the others print theirs
@@ -152,7 +152,7 @@ class _Watchdog(threading.Thread):
         hint = replay_hint() or "the test drew no seed"
         err.write(
             f"\n=== tinytrain harness, rank {_rank}: {nodeid} is still running after {limit:g} s "
-            f"(TINYTRAIN_TEST_TIMEOUT): a hang or an endless loop; {hint}. Python stacks of rank "
+            f"{DEADLINE_BANNER}; {hint}. Python stacks of rank "
             f"{_rank} (its main thread's innermost frame is where it is stuck):\n"
         )
         err.flush()

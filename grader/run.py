@@ -10,7 +10,9 @@ that run down: a hang, an endless loop, a segfault, an ``MPI_Abort``. So:
   stacks and the job aborts with exit status 87 (``EXIT_DEADLINE``). The grader's own budget --
   no event for ``timeout`` seconds, counted from the test's start like the harness's -- only
   catches a run whose harness could not act (a rank holding the GIL in C code); it kills the
-  process group. Each ending is told apart by its own exit status or by the kill.
+  process group. Once a rank has printed the harness's deadline banner the grader waits
+  ``HARNESS_GRACE`` seconds more, so a harness busy printing stacks on a loaded machine is not
+  killed in the act. Each ending is told apart by its own exit status or by the kill.
 * **Only tests that ran to the end count.** A run is "finished" only if mpirun exited with one of
   pytest's statuses *and* rank 0 logged the session's end; anything else (an ``MPI_Abort(1)`` in
   the student's code exits with pytest's "tests failed" status) is a crash. The test that was
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ROOT
-from .exits import EXIT_DEADLINE, EXIT_ERROR
+from .exits import DEADLINE_BANNER, EXIT_DEADLINE, EXIT_ERROR
 
 HARNESS_SHARE = 0.7  # the harness's per-test deadline, as a share of the grader's budget
 PYTEST_STATUSES = (0, 1, 5)  # all passed, some failed, none collected
@@ -136,6 +138,8 @@ def _one_run(opts: RunOptions, nodeids: list[str] | None, workdir: Path, on_even
         if rc is not None:
             break
         budget = opts.timeout if pos else max(opts.timeout, STARTUP_BUDGET)  # pos: some event was logged
+        if time.monotonic() - last > budget and _harness_is_ending_it(out):
+            budget += HARNESS_GRACE  # its stacks are being printed: let it finish and abort by itself
         if time.monotonic() - last > budget:
             ended = (
                 f"hung: no progress for {budget:g} s (the grader's budget) and the harness did not end the "
@@ -154,6 +158,18 @@ def _one_run(opts: RunOptions, nodeids: list[str] | None, workdir: Path, on_even
 
 
 STARTUP_BUDGET = 120.0  # seconds mpirun may take to start and collect the tests (imports on a busy machine)
+# Seconds the grader waits past its budget once the harness has begun ending the test itself: printing
+# every rank's stacks and aborting takes a moment on a busy machine, and killing the run meanwhile would
+# lose the stacks and report "the harness did not end the test" when it did.
+HARNESS_GRACE = 10.0
+
+
+def _harness_is_ending_it(out) -> bool:
+    """Has a rank printed the harness's deadline banner (so the harness is ending the test)?"""
+    with open(out.name, errors="replace") as f:
+        return DEADLINE_BANNER in f.read()
+
+
 OUTPUT_TAIL = 24000  # characters of mpirun's output kept: enough for every rank's stacks
 
 
