@@ -401,8 +401,11 @@ class BaselineLaunch:
     def _exchange(self, request: dict) -> dict:
         if isinstance(self.proc, Exception):
             raise self.proc
-        self.proc.stdin.write((json.dumps(request) + "\n").encode())
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it is gone already: say how it ended, as a late reply would
+            raise RuntimeError(f"the worker exited (code {self.proc.wait()}) before replying") from None
         deadline = time.monotonic() + _WAIT_S
         while True:
             line = self._read_line(deadline)
