@@ -177,3 +177,18 @@ def test_expert_parallel_pays_all_to_alls_and_imbalance():
     )
     # every GPU holds 1/ep of the experts
     assert model.expert_parameters == model.layers * model.experts * costs.mlp_parameters(model.hidden, False)
+
+
+def test_zero_1_and_2_cannot_hide_the_all_gather_that_follows_the_optimizer_step():
+    """DDP's all-reduce and ZeRO-2's reduce-scatter run during the last backward; ZeRO-2's all-gather
+    of the updated parameters comes after the step, so a layout without a pipeline exposes all of it."""
+    rows = planner.plan(planner.PRESETS["gpt3-175b"], planner.Cluster(nodes=192))
+    pick = {
+        r["layout"]["zero"]: r
+        for r in rows
+        if r["layout"]["dp"] == 192 and r["layout"]["tp"] == 8 and r["layout"]["sp"] and r["layout"]["recompute"]
+        if r["layout"]["microbatch"] == 8 and r["layout"]["zero"] in (1, 2)
+    }
+    for zero in (1, 2):
+        t = pick[zero]["time"]
+        assert t["data_parallel_exposed"] >= t["data_parallel"] / 2 > 0, t  # the all-gather half, at least

@@ -219,11 +219,16 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
 
     # --- data parallel: gradients of this GPU's parameters over the data group ----------------------
     dp_link = cl.link(world)
-    dp_time = _gradient_sync(dense_gpu * ACTIVATION_BYTES, data_group, lo.zero, m, dp_link)
+    sync = _gradient_sync(dense_gpu * ACTIVATION_BYTES, data_group, lo.zero, m, dp_link)
     if expert_gpu:
-        dp_time += _gradient_sync(expert_gpu * ACTIVATION_BYTES, lo.dp * lo.cp, lo.zero, m, dp_link)
+        more = _gradient_sync(expert_gpu * ACTIVATION_BYTES, lo.dp * lo.cp, lo.zero, m, dp_link)
+        sync = {when: sync[when] + more[when] for when in sync}
+    dp_time = sum(sync.values())
     backward = compute * (passes - 1) / passes  # backward (and the recomputed forward) of the last micro-batch
-    dp_exposed = dp_time if lo.pp > 1 else max(0.0, dp_time - backward)
+    if lo.pp > 1:
+        dp_exposed = dp_time  # a pipeline syncs after its last backward, with the stages idle
+    else:  # the last backward hides what it can; the parameters gathered after the optimizer step wait
+        dp_exposed = max(0.0, sync["backward"] - backward) + sync["after_step"]
     step = pipeline + dp_exposed
     sent = {  # bytes each GPU sends per step
         "tensor_parallel": m * (layers * tensor_parallel_volume(activation, lo.tp, passes) + edges / lo.pp),
@@ -273,16 +278,20 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
     }
 
 
-def _gradient_sync(nbytes: float, n: int, zero: int, microbatches: int, link) -> float:
-    """Seconds to sync ``nbytes`` of gradients over ``n`` ranks: one all-reduce (DDP), a
-    reduce-scatter + an all-gather (ZeRO-1/2), or ZeRO-3's reduce-scatter and two all-gathers of
-    the parameters per micro-batch."""
+def _gradient_sync(nbytes: float, n: int, zero: int, microbatches: int, link) -> dict:
+    """Seconds to sync ``nbytes`` of gradients over ``n`` ranks, by what they can hide behind: the
+    last backward, or nothing (after the optimizer step). DDP: one all-reduce during the last
+    backward. ZeRO-1/2: the gradients' reduce-scatter during the last backward; the updated
+    parameters' all-gather after the step, when nothing is left to compute. ZeRO-3: its
+    reduce-scatter and the two all-gathers of the parameters per micro-batch, counted against the
+    last backward as before (prefetching under the forwards is not modelled)."""
+    gather = collective_time("all_gather", nbytes, n, *link)
+    scatter = collective_time("reduce_scatter", nbytes, n, *link)
     if zero == 3:
-        gather = collective_time("all_gather", nbytes, n, *link)
-        return collective_time("reduce_scatter", nbytes, n, *link) + 2 * microbatches * gather
+        return {"backward": scatter + 2 * microbatches * gather, "after_step": 0.0}
     if zero:
-        return 2 * collective_time("reduce_scatter", nbytes, n, *link)
-    return collective_time("all_reduce", nbytes, n, *link)
+        return {"backward": scatter, "after_step": gather}
+    return {"backward": collective_time("all_reduce", nbytes, n, *link), "after_step": 0.0}
 
 
 def _name(cluster: Cluster, span: int) -> str:
