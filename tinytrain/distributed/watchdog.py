@@ -211,9 +211,13 @@ def _poll_beats(comm) -> None:
         beats[status.Get_source()] = (time.monotonic(), json.loads(buf.decode()))
 
 
+_UNSURE = ""  # _why_stuck: a rank on the way has not been heard from lately; ask again soon
+
+
 def _why_stuck(peers: list[int]) -> str | None:
     """None if the waits starting at ``peers`` lead to a rank that is alive and computing (an honest
-    long wait); else why not, in words. Only meaningful while heartbeats run."""
+    long wait); ``_UNSURE`` if a rank on the way was last heard from too long ago to tell; else why
+    not, in words. Only meaningful while heartbeats run."""
     me = _alert_comm.Get_rank()
     now, seen, todo, reasons = time.monotonic(), {me}, list(peers), []
     while todo:
@@ -226,6 +230,10 @@ def _why_stuck(peers: list[int]) -> str | None:
             reasons.append(f"rank {rank} has sent no heartbeat for over {4 * _BEAT_EVERY:g} s (stopped or frozen?)")
         elif state.get("finished"):
             reasons.append(f"rank {rank} has finished")
+        elif now - heard > 2 * _BEAT_EVERY:
+            # Its last word is stale: a rank stopped while it waited would still look like half of a
+            # deadlock. Not evidence either way yet: wait for a fresh beat, or for its silence.
+            return _UNSURE
         elif state.get("waiting_for") is None:
             return None  # alive and computing: the wait is honest
         else:
@@ -294,6 +302,8 @@ def _past_deadline(describe, pending, waited: float, limit: float) -> None:
         why = _why_stuck([peer for _, peer in pending()])
         if why is None and waited < busy_timeout():
             return  # the ranks we wait for wait, in the end, for a rank that computes: keep waiting
+        if why == _UNSURE and waited < busy_timeout() + 4 * _BEAT_EVERY:
+            return  # within 4 beats it sends fresh news, or its silence says it is stopped
         why = why or f"still busy after TINYTRAIN_BUSY_TIMEOUT={busy_timeout():g} s"
     raise CommTimeout(
         f"{describe()}: timed out after {waited:.1f} s waiting for "
