@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from tinytrain.autograd import timed
 from tinytrain.backend import to_host, xp
 
 
@@ -31,13 +32,14 @@ class Optimizer:
 
     def step(self) -> None:
         """Update every parameter that has a gradient, in place."""
-        for p in self.params:
-            if p.grad is None:
-                continue
-            state = self.state.get(p)
-            if state is None:
-                state = self.state[p] = self.init_state(p.data)
-            self.update(p.data, p.grad, state)
+        with timed(f"{type(self).__name__} step"):
+            for p in self.params:
+                if p.grad is None:
+                    continue
+                state = self.state.get(p)
+                if state is None:
+                    state = self.state[p] = self.init_state(p.data)
+                self.update(p.data, p.grad, state)
 
     def init_state(self, param):
         raise NotImplementedError

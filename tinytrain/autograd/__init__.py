@@ -6,9 +6,11 @@ from tinytrain.autograd.engine import (
     enable_grad,
     is_grad_enabled,
     no_grad,
+    op_timer,
     peak_saved_bytes,
     reset_peak_saved_bytes,
     saved_bytes,
+    timed,
 )
 from tinytrain.autograd.tensor import Parameter, Tensor, ones, tensor, zeros
 
@@ -20,10 +22,12 @@ __all__ = [
     "enable_grad",
     "is_grad_enabled",
     "no_grad",
+    "op_timer",
     "ones",
     "peak_saved_bytes",
     "reset_peak_saved_bytes",
     "saved_bytes",
     "tensor",
+    "timed",
     "zeros",
 ]

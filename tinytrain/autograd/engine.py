@@ -30,6 +30,7 @@ memory that pipeline and sequence parallel reduce, measured rather than estimate
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy
 
@@ -123,6 +124,43 @@ def reset_peak_saved_bytes() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Per-op timing: where a step's time goes (``tinytrain bench step --profile``)
+
+_op_seconds: list = [None]  # [None], or [dict "Name forward" / "Name backward" -> seconds]
+
+
+@contextlib.contextmanager
+def op_timer():
+    """Inside, add the wall seconds of every Function's forward and backward to the yielded dict,
+    keyed ``"Linear forward"``, ``"Linear backward"``, ... Outside, it costs one check per op.
+    On a GPU the arrays' work runs asynchronously: synchronize before trusting these figures."""
+    previous = _op_seconds[0]
+    seconds: dict = {}
+    _op_seconds[0] = seconds
+    try:
+        yield seconds
+    finally:
+        _op_seconds[0] = previous
+
+
+@contextlib.contextmanager
+def timed(name: str):
+    """Add this block's wall seconds under ``name`` to the running :func:`op_timer`, if any
+    (the optimizer's step is timed so)."""
+    seconds, start = _op_seconds[0], time.perf_counter()
+    try:
+        yield
+    finally:
+        if seconds is not None:
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def _add_seconds(seconds: dict, fn, phase: str, start: float) -> None:
+    key = f"{fn.__name__} {phase}"
+    seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------------------------
 # Function and Context
 
 
@@ -196,7 +234,10 @@ class Function:
                 needs.append(False)
         record = any_needs and _GradMode.enabled
         ctx = Context(cls, tuple(inputs), tuple(needs))
+        seconds, start = _op_seconds[0], time.perf_counter()
         out = cls.forward(ctx, *arrays, **kwargs)
+        if seconds is not None:
+            _add_seconds(seconds, cls, "forward", start)
         if not record:
             ctx.release()
             return Tensor(out)
@@ -310,7 +351,10 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
             if g is None:
                 in_grads = (None,) * len(ctx.inputs)
             else:
+                seconds, start = _op_seconds[0], time.perf_counter()
                 in_grads = ctx.fn.backward(ctx, g)
+                if seconds is not None:
+                    _add_seconds(seconds, ctx.fn, "backward", start)
                 if not isinstance(in_grads, tuple):
                     in_grads = (in_grads,)
             if not retain_graph:

@@ -44,9 +44,14 @@ CONFIGS = {
     "default": dict(model=dict(vocab_size=12, block_size=8, n_layer=2, n_head=4, n_embd=128), batch=64),
     # wider and deeper, longer context: matmuls dominate
     "wide": dict(model=dict(vocab_size=96, block_size=64, n_layer=4, n_head=8, n_embd=512), batch=16),
+    # long context, narrow model: T = 256 >> n_embd, so attention (its T x T scores and softmax) dominates
+    "long": dict(model=dict(vocab_size=96, block_size=256, n_layer=2, n_head=4, n_embd=64), batch=8),
 }
 # name -> "module:function" building (step function, ...) in a worker; see tinytrain_step
 FRAMEWORKS = {"tinytrain": f"{__name__}:tinytrain_step", "torch": f"{__name__}:torch_step"}
+# name -> "module:function" timing steps per op (see tinytrain_profile); any other reference is a
+# tinytrain step (the tests' stand-ins), profiled as tinytrain
+PROFILERS = {"torch": f"{__name__}:torch_profile"}
 IDLE_LIMIT = 0.10  # of one core: more CPU than this from the idle worker while the other is timed
 _WAIT_S = 600.0  # the longest one block (or a worker's start) may take
 
@@ -58,6 +63,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block", type=int, default=5, help="steps per alternating run of one framework")
     p.add_argument("--settle", type=float, default=0.3, help="seconds between runs (idle thread pools stop spinning)")
     p.add_argument("--json", default=None, help="write the rows to this file")
+    p.add_argument(
+        "--profile",
+        type=int,
+        nargs="?",
+        const=5,
+        default=0,
+        metavar="STEPS",
+        help="after timing, profile STEPS more steps (default 5) per framework and print where the time goes, per op",
+    )
 
 
 def torch_device(torch) -> str:
@@ -158,6 +172,94 @@ def torch_step(name: str, threads: int):
     return step
 
 
+# --- profiles: where a step's time goes, per op, in each framework's own words mapped to one list ----
+
+# tinytrain Function (or timed block) -> the op's row in the profile table
+TINYTRAIN_OPS = {
+    "Linear": "linear",
+    "MatMul": "linear",
+    "ScaledDotProductAttention": "attention",
+    "LayerNorm": "layer_norm",
+    "GELU": "gelu",
+    "CrossEntropy": "cross_entropy",
+    "Embedding": "embedding",
+    "Add": "add (residual)",
+    "Reshape": "reshape/transpose",
+    "Permute": "reshape/transpose",
+    "AdamW": "AdamW",
+}
+# PyTorch's top-level profiler events (forward ops, autograd's backward nodes, the optimizer) -> row
+TORCH_OPS = {
+    "aten::linear": "linear",
+    "aten::matmul": "linear",
+    "AddmmBackward0": "linear",
+    "MmBackward0": "linear",
+    "aten::scaled_dot_product_attention": "attention",
+    "ScaledDotProductFlashAttentionForCpuBackward0": "attention",
+    "ScaledDotProductEfficientAttentionBackward0": "attention",
+    "ScaledDotProductFlashAttentionBackward0": "attention",
+    "aten::layer_norm": "layer_norm",
+    "NativeLayerNormBackward0": "layer_norm",
+    "aten::gelu": "gelu",
+    "GeluBackward0": "gelu",
+    "aten::cross_entropy_loss": "cross_entropy",
+    "NllLossBackward0": "cross_entropy",
+    "LogSoftmaxBackward0": "cross_entropy",
+    "aten::embedding": "embedding",
+    "EmbeddingBackward0": "embedding",
+    "aten::add": "add (residual)",
+    "AddBackward0": "add (residual)",
+    **{f"aten::{op}": "reshape/transpose" for op in ("view", "reshape", "transpose", "t", "numpy_T", "flatten")},
+    **{f"{op}Backward0": "reshape/transpose" for op in ("View", "UnsafeView", "Transpose", "T", "Permute", "Reshape")},
+    "Optimizer.step#AdamW.step": "AdamW",
+}
+_BACKWARD_EVENT = "autograd::engine::evaluate_function: "
+
+
+def _row_key(op: str, phase: str) -> str:
+    """The profile's row: ``"linear forward"``, ``"AdamW step"``, ``"other backward"``, ..."""
+    return f"{op} {'step' if op == 'AdamW' else phase}"
+
+
+def tinytrain_profile(step, steps: int) -> dict:
+    """Seconds per step of each op (see ``TINYTRAIN_OPS``) over ``steps`` steps, from the autograd
+    engine's per-Function timer; ``"step"`` is the whole step's."""
+    from tinytrain.autograd import op_timer
+
+    start = time.perf_counter()
+    with op_timer() as seconds:
+        for _ in range(steps):
+            step()
+    rows = {"step": time.perf_counter() - start}
+    for key, s in seconds.items():
+        function, phase = key.rsplit(" ", 1)
+        row = _row_key(TINYTRAIN_OPS.get(function, "other"), phase)
+        rows[row] = rows.get(row, 0.0) + s
+    return {k: v / steps for k, v in rows.items()}
+
+
+def torch_profile(step, steps: int) -> dict:
+    """The same from ``torch.profiler`` (CPU): each top-level event's time, children included
+    (``aten::linear`` holds its ``aten::addmm``), so nothing counts twice."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    rows = {"step": time.perf_counter() - start}
+    for event in prof.events():
+        if event.cpu_parent is not None:
+            continue
+        backward = event.name.startswith(_BACKWARD_EVENT)
+        name = event.name.removeprefix(_BACKWARD_EVENT)
+        if name.startswith("Optimizer.zero_grad") or name == "aten::item":
+            continue  # tinytrain's zero_grad and loss.item() are outside its ops too
+        row = _row_key(TORCH_OPS.get(name, "other"), "backward" if backward else "forward")
+        rows[row] = rows.get(row, 0.0) + event.cpu_time_total / 1e6
+    return {k: v / steps for k, v in rows.items()}
+
+
 def torch_available() -> bool:
     """PyTorch importable, checked without importing it here (its thread pool stays out of this process)."""
     import importlib.util
@@ -170,7 +272,8 @@ def torch_available() -> bool:
 
 def _worker(framework: str, name: str, threads: int) -> int:
     """Build the step, run the warm-up step (reported: its loss), then on each ``run K`` line run K
-    timed steps and reply with their seconds; quit on EOF. One JSON line per reply."""
+    timed steps and reply with their seconds, on each ``profile K`` line profile K steps and reply
+    with seconds per step per op; quit on EOF. One JSON line per reply."""
     try:
         from threadpoolctl import threadpool_limits
 
@@ -181,6 +284,11 @@ def _worker(framework: str, name: str, threads: int) -> int:
     step = getattr(importlib.import_module(module), function)(name, threads)
     print(json.dumps({"first_loss": step()}), flush=True)  # also the warm-up step
     for line in sys.stdin:
+        if line.startswith("profile"):
+            module, function = PROFILERS.get(framework, f"{__name__}:tinytrain_profile").split(":")
+            profiler = getattr(importlib.import_module(module), function)
+            print(json.dumps({"ops": profiler(step, int(line.split()[1]))}), flush=True)
+            continue
         times = []
         for _ in range(int(line.split()[1])):
             t0 = time.perf_counter()
@@ -221,6 +329,12 @@ class Worker:
         self.proc.stdin.write(f"run {steps}\n".encode())
         self.proc.stdin.flush()
         return self._reply()["seconds"]
+
+    def profile(self, steps: int) -> dict:
+        """Seconds per step of each op over ``steps`` steps, run now (``"step"``: the whole step)."""
+        self.proc.stdin.write(f"profile {steps}\n".encode())
+        self.proc.stdin.flush()
+        return self._reply()["ops"]
 
     def _reply(self) -> dict:
         fd = self.proc.stdout.fileno()
@@ -266,8 +380,12 @@ def alternate(workers: list, steps: int, block: int, settle: float) -> tuple[lis
     return times, idle
 
 
-def compare(name: str, steps: int, threads: int, reference: str = "torch", block: int = 5, settle: float = 0.3) -> dict:
-    """One row: config ``name`` timed in a tinytrain worker and a ``reference`` worker, alternating."""
+def compare(
+    name: str, steps: int, threads: int, reference: str = "torch", block: int = 5, settle: float = 0.3, profile: int = 0
+) -> dict:
+    """One row: config ``name`` timed in a tinytrain worker and a ``reference`` worker, alternating;
+    with ``profile`` steps, also each one's seconds per step per op (``row["ops"]``), one after the
+    other after the timing (profilers slow a step down: these steps are not the timed ones)."""
     config = GPTConfig(**CONFIGS[name]["model"])
     row = {
         "config": name,
@@ -283,6 +401,11 @@ def compare(name: str, steps: int, threads: int, reference: str = "torch", block
         if reference and abs(first[0] - first[1]) > 1e-3 * max(1.0, abs(first[1])):
             raise RuntimeError(f"models differ: first loss {first[0]} (tinytrain) vs {first[1]} ({reference})")
         times, idle = alternate(workers, steps, block, settle)
+        if profile:
+            row["ops"] = {}
+            for w in workers:
+                time.sleep(settle)
+                row["ops"][w.framework] = w.profile(profile)
     finally:
         for w in workers:
             w.close()
@@ -303,6 +426,8 @@ def run(args) -> int:
         raise ValueError(f"--threads must be positive, got {args.threads}")
     if args.block <= 0:
         raise ValueError(f"--block must be positive, got {args.block}")
+    if args.profile < 0:
+        raise ValueError(f"--profile must be a positive number of steps, got {args.profile}")
     if args.settle < 0:
         raise ValueError(f"--settle must be 0 or more seconds, got {args.settle}")
     threads = args.threads or os.cpu_count()
@@ -324,14 +449,17 @@ def run(args) -> int:
     )
     rows = []
     for name in args.configs:
-        row = compare(name, args.steps, threads, reference, args.block, args.settle)
+        row = compare(name, args.steps, threads, reference, args.block, args.settle, args.profile)
         rows.append(row)
         torch_ms = f"{row['torch_ms']:9.2f}" if "torch_ms" in row else f"{'-':>9}"
         ratio = f"{row['ratio']:5.2f}x" if "ratio" in row else f"{'-':>6}"
         print(
             f"{name:<8} {row['params']:>10,} {row['tokens']:>7} {row['tinytrain_ms']:13.2f} {torch_ms} {ratio}"
-            f"  {_check(row)}"
+            f"  {_check(row)}",
+            flush=True,
         )
+        if args.profile:
+            print(profile_table(row, args.profile), flush=True)
     print("ratio = tinytrain step time / PyTorch step time (above 1: tinytrain slower; 1.0 = as fast)")
     print(
         f"idle-neighbour check: CPU the worker not being timed used meanwhile, in % of one core "
@@ -341,6 +469,32 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def profile_table(row: dict, steps: int) -> str:
+    """The per-op table of a ``compare(..., profile=...)`` row: ms per step in each framework,
+    slowest tinytrain op first; the time outside any op (Python, the autograd engine) at the end."""
+    frameworks = list(row["ops"])
+    ops = [row["ops"][f] for f in frameworks]
+    names = sorted({k for o in ops for k in o} - {"step"}, key=lambda k: -ops[0].get(k, 0.0))
+    head = f"  {'op':<28}" + "".join(f" {f[:12] + ' ms':>15}" for f in frameworks)
+    lines = [
+        f"  {row['config']}: per op, ms per step, {steps} profiled steps each (profilers add overhead to both)",
+        head + ("   ratio" if len(ops) == 2 else ""),
+    ]
+
+    def line(label, values):
+        text = f"  {label:<28}" + "".join(f" {v:15.2f}" if v is not None else f" {'-':>15}" for v in values)
+        if len(values) == 2 and values[0] and values[1]:
+            text += f" {values[0] / values[1]:6.2f}x"
+        return text
+
+    for name in names:
+        lines.append(line(name, [1e3 * o[name] if name in o else None for o in ops]))
+    outside = [1e3 * (o["step"] - sum(v for k, v in o.items() if k != "step")) for o in ops]
+    lines.append(line("(outside ops: Python, engine)", outside))
+    lines.append(line("step", [1e3 * o["step"] for o in ops]))
+    return "\n".join(lines)
 
 
 def _check(row: dict) -> str:
