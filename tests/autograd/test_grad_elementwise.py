@@ -1,5 +1,7 @@
 """Gradient checks for arithmetic (with broadcasting), pow, elementwise functions and astype."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -132,6 +134,27 @@ def test_gelu_matches_formula(rng):
     expected = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
     assert_close(F.gelu(T(x)), expected, atol=1e-12, rtol=1e-12, what="gelu float64")
     assert_close(F.gelu(Tensor(x.astype(np.float32))), expected, atol=1e-5, what="gelu float32")
+
+
+def test_gelu_backward_matches_the_tanh_form_and_survives_large_inputs(rng):
+    """GELU is computed as x·sigmoid(2u); its backward must equal the derivative of the tanh form
+    0.5·x·(1 + tanh(u)) (written out here by hand), and very negative inputs, where exp(-2u)
+    would overflow float32, must give finite values without a warning."""
+    x = np.concatenate([rng.standard_normal(40) * 4, [-60.0, -20.0, 0.0, 20.0, 60.0]])
+    c, a = np.sqrt(2 / np.pi), 0.044715
+    t = np.tanh(c * (x + a * x**3))
+    expected = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * a * x * x)
+    xt = T(x)
+    F.gelu(xt).sum().backward()
+    assert_close(xt.grad, expected, atol=1e-12, rtol=1e-10, what="gelu backward float64")
+    x32 = Tensor(x.astype(np.float32), requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflow in exp would be a RuntimeWarning
+        y = F.gelu(x32)
+        y.sum().backward()
+    assert np.isfinite(y.numpy()).all() and np.isfinite(x32.grad).all()
+    assert_close(y, 0.5 * x * (1 + t), atol=1e-5, what="gelu float32 at large |x|")
+    assert_close(x32.grad, expected, atol=1e-5, what="gelu backward float32 at large |x|")
 
 
 def test_astype(rng):

@@ -9,7 +9,8 @@ import pytest
 
 import tinytrain.functional as F
 from tinytrain import random as tt_random
-from tinytrain.autograd import Tensor
+from tinytrain.autograd import Tensor, ops
+from tinytrain.backend import to_host
 from tinytrain.testing import assert_close, gradcheck
 
 
@@ -186,6 +187,7 @@ def test_dropout_gradcheck(rng):
 
 
 def np_attention(q, k, v, causal, scale=None):
+    q, k, v = (to_host(a) for a in (q, k, v))  # the reference runs on the host, whatever the device
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
     scores = q @ np.swapaxes(k, -1, -2) * scale
     if causal:
@@ -217,12 +219,28 @@ def test_scaled_dot_product_attention(rng, causal):
     )
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_in_query_blocks_matches_the_whole_matrix(rng, causal, monkeypatch):
+    """Attention runs in blocks of ATTENTION_BLOCK query rows (causal blocks skip the keys above
+    the diagonal). Blocks of 2 rows over 7 positions (the last block short): the same values as the
+    textbook formula on the whole T x T matrix, and gradients that pass gradcheck."""
+    monkeypatch.setattr(ops, "ATTENTION_BLOCK", 2)
+    q, k, v = (T(rng.standard_normal((2, 3, 7, 4))) for _ in range(3))
+    out = F.scaled_dot_product_attention(q, k, v, causal=causal)
+    assert_close(out, np_attention(q.data, k.data, v.data, causal), atol=1e-12, what="blocked attention forward")
+    gradcheck(
+        lambda a, b, c: F.scaled_dot_product_attention(a, b, c, causal=causal, scale=0.7),
+        [q, k, v],
+        what=f"blocked attention causal={causal}",
+    )
+
+
 def test_attention_broadcast_heads_and_causality(rng):
     q = T(rng.standard_normal((2, 3, 4, 2)))
     kv = T(rng.standard_normal((2, 1, 4, 2)))  # one key/value head shared by three query heads
     gradcheck(lambda a, b: F.scaled_dot_product_attention(a, b, b), [q, kv], what="broadcast heads")
     # causal: changing the last position's key and value leaves earlier outputs unchanged
-    k2, v2 = kv.data.copy(), kv.data.copy()
+    k2, v2 = kv.numpy().copy(), kv.numpy().copy()
     k2[..., -1, :] += 5
     v2[..., -1, :] -= 5
     a = F.scaled_dot_product_attention(q, kv, kv).numpy()

@@ -187,13 +187,13 @@ def test_where_and_masked_fill(rng):
     shape = rand_shape(rng, 2, lo=2)
     a, b = T(rng.standard_normal(shape)), T(rng.standard_normal(shape[-1:]))  # b broadcast
     cond = rng.random(shape) < 0.5
-    assert_close(F.where(cond, a, b), np.where(cond, a.data, b.data), atol=0, what="where forward")
+    assert_close(F.where(cond, a, b), np.where(cond, a.numpy(), b.numpy()), atol=0, what="where forward")
     gradcheck(lambda x, y: F.where(cond, x, y), [a, b], what="where(cond, a, b broadcast)")
     gradcheck(lambda x, y: F.where(Tensor(cond), y, x), [a, b], what="where with a Tensor condition")
     gradcheck(lambda x: F.where(cond, x, 0.0), [a], what="where with a constant")
     row_mask = rng.random(shape[-1]) < 0.5  # broadcast mask
     out = a.masked_fill(row_mask, -1e9)
-    assert_close(out, np.where(row_mask, -1e9, a.data), atol=0, what="masked_fill forward")
+    assert_close(out, np.where(row_mask, -1e9, a.numpy()), atol=0, what="masked_fill forward")
     # (a fill of -1e9 would swamp the numeric derivative's float64 sum, so check with -5)
     gradcheck(lambda x: x.masked_fill(row_mask, -5.0), [a], what="masked_fill")
     gradcheck(lambda x: F.masked_fill(x, cond, 0.0), [a], what="F.masked_fill")

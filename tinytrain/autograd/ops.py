@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+import numpy
+
 from tinytrain.autograd.engine import Function
 from tinytrain.backend import index_add, xp
 
@@ -666,6 +668,12 @@ class ScaledDotProductAttention(Function):
 
     Backward, with p the attention probabilities and g the output gradient:
         dv = pᵀ·g,  dp = g·vᵀ,  ds = p ⊙ (dp − rowsum(dp ⊙ p)),  dq = ds·k·scale,  dk = dsᵀ·q·scale
+
+    Computed in blocks of ``ATTENTION_BLOCK`` query rows. Why: with a causal mask, the queries of
+    rows lo..hi-1 see keys 0..hi-1 only, so a block needs scores against those keys alone; the
+    skipped part above the diagonal is up to half of the T x T scores, their exp and their softmax,
+    which dominate a long context. Each block's probabilities are kept for backward (the lower
+    triangle of p, block by block). Without a mask there is one block with every key.
     """
 
     @staticmethod
@@ -674,26 +682,53 @@ class ScaledDotProductAttention(Function):
         if causal and T != S:
             raise ValueError(f"causal attention needs as many queries as keys, got {T} and {S}")
         scale = q.dtype.type(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-        scores = q @ xp.swapaxes(k, -1, -2)
-        scores *= scale
-        if causal:
-            scores += _causal_bias(T, scores.dtype)
-        probs = _softmax_inplace(scores)
-        ctx.save_for_backward(q, k, v, probs)
-        ctx.scale = scale
-        return probs @ v
+        blocks = _query_blocks(T, S, causal)
+        batch = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        out = xp.empty(batch + (T, v.shape[-1]), dtype=v.dtype)
+        q_scaled = q * scale  # scaled once here: (T, D) entries instead of (T, T) scores
+        k_t = xp.swapaxes(k, -1, -2)
+        probs = []
+        for lo, hi, keys in blocks:
+            scores = q_scaled[..., lo:hi, :] @ k_t[..., :keys]  # (..., rows, keys)
+            if causal:  # the block's diagonal square: query lo + i sees keys up to lo + i
+                scores[..., lo:hi] += _causal_bias(hi - lo, scores.dtype)
+            p = _softmax_inplace(scores)
+            out[..., lo:hi, :] = p @ v[..., :keys, :]
+            probs.append(p)
+        ctx.save_for_backward(q, k, v, *probs)
+        ctx.scale, ctx.blocks = scale, blocks
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, p = ctx.saved
-        dv = xp.swapaxes(p, -1, -2) @ grad
-        ds = grad @ xp.swapaxes(v, -1, -2)
-        ds -= xp.sum(ds * p, axis=-1, keepdims=True)
-        ds *= p
-        ds *= ctx.scale
-        dq = ds @ k
-        dk = xp.swapaxes(ds, -1, -2) @ q
+        q, k, v, *probs = ctx.saved
+        batch = grad.shape[:-2]
+        dq = xp.empty(batch + q.shape[-2:], dtype=q.dtype)
+        dk = xp.zeros(batch + k.shape[-2:], dtype=k.dtype)
+        dv = xp.zeros(batch + v.shape[-2:], dtype=v.dtype)
+        v_t = xp.swapaxes(v, -1, -2)
+        for (lo, hi, keys), p in zip(ctx.blocks, probs):
+            g = grad[..., lo:hi, :]
+            dv[..., :keys, :] += xp.swapaxes(p, -1, -2) @ g
+            ds = g @ v_t[..., :keys]  # dp, then ds in place
+            ds -= xp.einsum("...ij,...ij->...i", ds, p)[..., None]  # rowsum(dp ⊙ p), no temporary
+            ds *= p
+            dq[..., lo:hi, :] = ds @ k[..., :keys, :]
+            dk[..., :keys, :] += xp.swapaxes(ds, -1, -2) @ q[..., lo:hi, :]
+        dq *= ctx.scale  # on (T, D) gradients rather than on each (T, T) ds
+        dk *= ctx.scale
         return unbroadcast(dq, q.shape), unbroadcast(dk, k.shape), unbroadcast(dv, v.shape)
+
+
+ATTENTION_BLOCK = 64  # query rows per block: small enough to skip most of the masked half
+
+
+def _query_blocks(T, S, causal):
+    """(first row, end row, keys seen) of each block of query rows: causal rows lo..hi-1 see
+    keys 0..hi-1; without a mask one block sees all S keys."""
+    if not causal:
+        return [(0, T, S)]
+    return [(lo, min(T, lo + ATTENTION_BLOCK), min(T, lo + ATTENTION_BLOCK)) for lo in range(0, T, ATTENTION_BLOCK)]
 
 
 _bias_cache: dict = {}
@@ -708,8 +743,9 @@ def _causal_bias(T, dtype):
 
 
 def _softmax_inplace(scores, axis=-1):
-    """softmax along ``axis``, overwriting ``scores`` (shifted by the max, so exp never overflows)."""
+    """softmax along ``axis``, overwriting ``scores`` (shifted by the max, so exp never overflows).
+    Multiplied by 1/sum rather than divided by the sum: one division per row, not per entry."""
     scores -= xp.max(scores, axis=axis, keepdims=True)
     xp.exp(scores, out=scores)
-    scores /= xp.sum(scores, axis=axis, keepdims=True)
+    scores *= 1 / xp.sum(scores, axis=axis, keepdims=True)
     return scores
