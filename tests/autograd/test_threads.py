@@ -1,0 +1,91 @@
+"""The fused ops' kernels cut into pieces of rows, one per thread (tinytrain.autograd.threads):
+the same numbers and gradients as in one piece, every row done once, errors not lost."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import tinytrain.functional as F
+from tinytrain.autograd import Tensor, threads
+from tinytrain.backend import on_device
+from tinytrain.testing import assert_close, gradcheck
+
+
+@pytest.fixture
+def three_threads(monkeypatch):
+    """Three threads, and pieces however small: the threaded path even on tiny test arrays."""
+    monkeypatch.setattr(threads, "THREADS", 3)
+    monkeypatch.setattr(threads, "MIN_PIECE", 1)
+    monkeypatch.setattr(threads, "_pool", [None])
+    yield
+    if threads._pool[0] is not None:
+        threads._pool[0].shutdown()
+
+
+def test_each_row_is_done_once_and_the_pieces_run_in_threads(three_threads):
+    data = np.arange(7.0)[:, None] * np.ones(2)  # row i holds i
+    seen = {}  # first row of a piece -> (thread, rows)
+
+    def kernel(piece):
+        seen[int(piece[0, 0])] = (threading.get_ident(), len(piece))
+        piece += 100
+
+    threads.in_pieces(kernel, data)
+    assert (data[:, 0] == np.arange(7.0) + 100).all(), "every row exactly once"
+    if not on_device:  # on a GPU the kernel runs once, on the whole array
+        assert {first: rows for first, (_, rows) in seen.items()} == {0: 2, 2: 2, 4: 3}
+        assert seen[0][0] == threading.get_ident(), "the first piece runs on the calling thread"
+        assert seen[2][0] != threading.get_ident() and seen[4][0] != threading.get_ident()
+
+
+@pytest.mark.skipif(on_device, reason="on a GPU the kernel runs once, on the calling thread")
+def test_an_error_in_a_worker_thread_reaches_the_caller(three_threads):
+    def kernel(piece):
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("bad piece")
+
+    with pytest.raises(ValueError, match="bad piece"):
+        threads.in_pieces(kernel, np.arange(12.0).reshape(6, 2))
+
+
+def fused_ops(x, w, b, qkv):
+    """GELU, LayerNorm and (causal) attention, the ops whose kernels run in pieces."""
+    h = F.layer_norm(F.gelu(x), w, b)
+    q = k = v = h.reshape(*qkv)
+    return F.scaled_dot_product_attention(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pieces_give_the_numbers_of_one_piece(rng, three_threads, monkeypatch, dtype):
+    x, w, b = rng.standard_normal((4, 6, 8)), rng.standard_normal(8), rng.standard_normal(8)
+    grad = rng.standard_normal((4, 2, 6, 4))
+    results = []
+    for n_threads in (3, 1):
+        monkeypatch.setattr(threads, "THREADS", n_threads)
+        leaves = [Tensor(a.astype(dtype), requires_grad=True) for a in (x, w, b)]
+        out = fused_ops(*leaves, (4, 6, 2, 4))
+        out = out.transpose(1, 2)  # (4, 2, 6, 4): heads first, as grad is laid out
+        out.backward(Tensor(grad.astype(dtype)))
+        results.append([out.numpy()] + [t.grad for t in leaves])
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for name, threaded, single in zip(["output", "dx", "dw", "db"], *results):
+        assert_close(threaded, single, atol=tol, rtol=tol, what=f"{name} in 3 pieces vs 1")
+
+
+def test_gradients_in_pieces_pass_gradcheck(rng, three_threads):
+    x, w, b = (Tensor(rng.standard_normal(s), requires_grad=True) for s in ((3, 4, 6), (6,), (6,)))
+    gradcheck(lambda a, c, d: fused_ops(a, c, d, (3, 4, 2, 3)), [x, w, b], what="gelu, layer_norm, attention")
+
+
+def test_thread_count_follows_omp_and_the_ranks_on_this_machine(monkeypatch):
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 8)
+    for name in ("OMP_NUM_THREADS", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert threads.thread_count() == 8
+    monkeypatch.setenv("MPI_LOCALNRANKS", "4")  # 4 ranks share the 8 CPUs
+    assert threads.thread_count() == 2
+    monkeypatch.setenv("MPI_LOCALNRANKS", "16")
+    assert threads.thread_count() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # an explicit setting wins
+    assert threads.thread_count() == 3
