@@ -28,7 +28,7 @@ import numpy
 
 from tinytrain.backend import xp
 
-MIN_PIECE = 1 << 15  # entries per thread below which one thread does it all
+MIN_PIECE = 1 << 16  # entries per thread below which one thread does it all
 
 
 def thread_count() -> int:
