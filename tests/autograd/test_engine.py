@@ -13,9 +13,11 @@ from tinytrain.autograd import (
     enable_grad,
     is_grad_enabled,
     no_grad,
+    op_timer,
     peak_saved_bytes,
     reset_peak_saved_bytes,
     saved_bytes,
+    timed,
 )
 from tinytrain.testing import assert_close, gradcheck
 
@@ -320,3 +322,27 @@ def test_saved_bytes_counts_a_buffer_once_and_skips_parameters(rng):
     out.sum().backward()
     del z
     assert saved_bytes() == start
+
+
+def test_op_timer_times_each_functions_forward_and_backward(rng):
+    """The per-op timer behind ``bench step --profile``: inside, every Function's forward and
+    backward (and blocks under ``timed``) add their seconds under their own names; outside, nothing."""
+    x, w = T(rng.standard_normal((3, 4))), T(rng.standard_normal((4, 2)))
+    with op_timer() as seconds:
+        loss = F.gelu(F.linear(x, w)).sum()
+        loss.backward()
+        with timed("update"):
+            pass
+    assert set(seconds) == {
+        "Linear forward",
+        "GELU forward",
+        "Sum forward",
+        "Sum backward",
+        "GELU backward",
+        "Linear backward",
+        "update",
+    }
+    assert all(s >= 0 for s in seconds.values())
+    before = dict(seconds)
+    F.gelu(x).sum().backward()
+    assert seconds == before, "nothing is timed outside the block"

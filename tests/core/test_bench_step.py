@@ -85,3 +85,35 @@ def test_without_torch_tinytrain_is_timed_alone_and_the_table_says_so(tmp_path, 
     assert "- (tinytrain alone)" in printed
     (row,) = json.loads(out.read_text())
     assert row["config"] == "default" and row["tinytrain_ms"] > 0 and "ratio" not in row
+
+
+def test_profile_times_each_op_in_each_worker(fakes):
+    """--profile: after the timing, each worker profiles steps of its own and reports ms per op;
+    the table shows both columns, the ratio, the time outside ops and the whole step."""
+    row = bench.compare("default", steps=1, threads=1, reference=f"{fakes}:quiet_step", settle=0.0, profile=1)
+    ops = row["ops"]
+    assert set(ops) == {"tinytrain", f"{fakes}:quiet_step"}
+    for per_op in ops.values():  # the stand-in reference is a tinytrain step, profiled as tinytrain
+        assert {"linear forward", "linear backward", "attention forward", "gelu backward", "AdamW step"} <= set(per_op)
+        assert 0 < sum(v for k, v in per_op.items() if k != "step") <= per_op["step"]
+    table = bench.profile_table(row, 1)
+    assert "default: per op, ms per step, 1 profiled steps each" in table
+    for label in ("linear forward", "AdamW step", "(outside ops: Python, engine)", "step"):
+        assert f"\n  {label}" in table
+    assert table.count("x\n") >= 3  # a ratio column
+
+
+def test_profile_option_and_the_long_config(tmp_path, capsys, monkeypatch):
+    """The long-context config (T >= 256, attention dominates) runs, here tinytrain alone, with
+    --profile's default of 5 steps; a negative --profile is refused in one sentence."""
+    assert bench.CONFIGS["long"]["model"]["block_size"] >= 256
+    monkeypatch.setattr(bench, "torch_available", lambda: False)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--configs", "long", "--steps", "1", "--threads", "1", "--profile"])
+    assert args.profile == 5
+    assert bench.run(args) == 0
+    printed = capsys.readouterr().out
+    assert "long: per op, ms per step, 5 profiled steps each" in printed and "attention forward" in printed
+    with pytest.raises(ValueError, match="--profile must be a positive number of steps"):
+        bench.run(parser.parse_args(["--profile", "-1"]))

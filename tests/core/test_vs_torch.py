@@ -32,6 +32,8 @@ def torch_param_grad(tm, name):
     [
         dict(vocab_size=13, block_size=9, n_layer=2, n_head=4, n_embd=32),
         dict(vocab_size=7, block_size=16, n_layer=1, n_head=1, n_embd=24),
+        # longer than one block of query rows (ops.ATTENTION_BLOCK = 64): causal blocks skip keys
+        dict(vocab_size=11, block_size=80, n_layer=1, n_head=2, n_embd=16),
     ],
 )
 def test_gpt_logits_loss_and_gradients_match_torch(cfg):
@@ -101,3 +103,19 @@ def test_sgd_trajectory_matches_torch(momentum, wd):
     opt = SGD(ours, lr=0.1, momentum=momentum, weight_decay=wd)
     topt = torch.optim.SGD(theirs, lr=0.1, momentum=momentum, weight_decay=wd)
     run_both(opt, topt, grads, ours, theirs)
+
+
+def test_profiles_name_the_same_ops_in_both_frameworks():
+    """``bench step --profile``: tinytrain's per-Function timer and PyTorch's profiler events map
+    to the same rows, and the ops they name take most of the step (the table is not all "other")."""
+    from tinytrain.bench import step as bench
+
+    ours = bench.tinytrain_profile(bench.tinytrain_step("default", 1), 1)
+    theirs = bench.torch_profile(bench.torch_step("default", 1), 1)
+    for row in ("linear forward", "linear backward", "attention forward", "attention backward", "gelu forward"):
+        assert ours[row] > 0 and theirs[row] > 0, (row, ours, theirs)
+    for row in ("layer_norm backward", "cross_entropy forward", "AdamW step"):
+        assert ours[row] > 0 and theirs[row] > 0, (row, ours, theirs)
+    for ops in (ours, theirs):
+        named = sum(v for k, v in ops.items() if k != "step" and not k.startswith("other"))
+        assert named > 0.5 * ops["step"], ops
