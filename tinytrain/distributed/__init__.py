@@ -24,13 +24,14 @@ their diagrams: assignment 1 is made from it; ``all_reduce`` and the others expo
 at its end), ``trace_merge.py`` (``tinytrain.trace.merge`` over our all-gather, and
 ``comm_matrix``: who sent how many bytes to whom in a ``comm_stats`` block).
 
-Environment: ``TINYTRAIN_TIMEOUT`` (seconds per wait, default 20; ``TINYTRAIN_BUSY_TIMEOUT`` while the
-awaited ranks compute, see ``watchdog.py``), ``TINYTRAIN_DEBUG=1``
-(cross-check collective signatures), ``TINYTRAIN_TRACE=1`` (record spans, see tinytrain.trace),
+Environment: ``TINYTRAIN_TIMEOUT`` (seconds per wait, default 20; ``TINYTRAIN_BUSY_TIMEOUT`` while
+the awaited ranks compute, see ``watchdog.py``), ``TINYTRAIN_DEBUG=1`` (cross-check collective
+signatures), ``TINYTRAIN_TRACE=1`` (record spans, see tinytrain.trace),
 ``TINYTRAIN_CUDA_AWARE_MPI=0|1`` (override detection; with ``TINYTRAIN_DEVICE=strict`` the GPU paths
-run on a stand-in for CuPy, see ``tinytrain.backend``), ``TINYTRAIN_SPIN`` (polls before a waiting
-rank yields its core), ``TINYTRAIN_GPU=<index>`` (the GPU every rank of this process uses; by default
-``init()`` gives local rank r GPU r mod the number of GPUs, see ``tinytrain.backend``).
+run on a stand-in for CuPy, see ``tinytrain.backend``), ``TINYTRAIN_SPIN`` and ``TINYTRAIN_YIELDS``
+(how a waiting rank polls: spin, yield its core, then sleep; see ``watchdog.py``),
+``TINYTRAIN_GPU=<index>`` (the GPU every rank of this process uses; by default ``init()`` gives
+local rank r GPU r mod the number of GPUs, see ``tinytrain.backend``).
 """
 
 from . import trace_merge

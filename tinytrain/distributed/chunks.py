@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy
 
 from tinytrain import backend
@@ -31,7 +33,7 @@ def chunk_bounds(counts: list[int]) -> list[tuple[int, int]]:
 
 def row_bounds(rows: list[int], tail: tuple) -> list[tuple[int, int]]:
     """(start, stop) in a flat buffer of consecutive pieces of ``rows`` rows each, a row of shape ``tail``."""
-    row_len = int(numpy.prod(tail, dtype=numpy.int64))
+    row_len = math.prod(int(d) for d in tail)
     return chunk_bounds([r * row_len for r in rows])
 
 

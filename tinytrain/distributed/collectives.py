@@ -82,7 +82,7 @@ class Collectives(AlgorithmSource):
             return tensor
 
         c = Call(g, "all_reduce", algo)
-        return run(c, steps(), async_op, signature(tensor, same_shape=True, reduce=op, algo=algo))
+        return run(c, steps(), async_op, lambda: signature(tensor, same_shape=True, reduce=op, algo=algo))
 
     def broadcast(self, tensor, src: int = 0, group=None, async_op: bool = False, algo: str | None = None):
         """Copy ``tensor`` from rank ``src`` to every rank, **in place**. algo: ``"tree"``, ``"naive"``."""
@@ -101,7 +101,7 @@ class Collectives(AlgorithmSource):
             return tensor
 
         c = Call(g, "broadcast", algo)
-        return run(c, steps(), async_op, signature(tensor, same_shape=True, root=root, algo=algo))
+        return run(c, steps(), async_op, lambda: signature(tensor, same_shape=True, root=root, algo=algo))
 
     def reduce(
         self, tensor, dst: int = 0, op: str = "sum", group=None, async_op: bool = False, algo: str | None = None
@@ -126,7 +126,7 @@ class Collectives(AlgorithmSource):
             return tensor
 
         c = Call(g, "reduce", algo)
-        return run(c, steps(), async_op, signature(tensor, same_shape=True, root=root, reduce=op, algo=algo))
+        return run(c, steps(), async_op, lambda: signature(tensor, same_shape=True, root=root, reduce=op, algo=algo))
 
     def all_gather(self, tensor, group=None, async_op: bool = False, algo: str | None = None, sizes=None, out=None):
         """Concatenate every rank's ``tensor`` along axis 0, in rank order; returns a new array.
@@ -140,13 +140,12 @@ class Collectives(AlgorithmSource):
         check_buffer(tensor, "all_gather")
         check_algo("all_gather", algo, ("ring",), "ring")
         rows, tail = rows_of(tensor)
-        sig = signature(
-            tensor,
-            same_shape=sizes is None,
-            algo="ring",
-            tail=list(tail),
-            sizes=None if sizes is None else [int(x) for x in sizes],
-        )
+        asked = sizes
+
+        def sig():
+            given = None if asked is None else [int(x) for x in asked]
+            return signature(tensor, same_shape=asked is None, algo="ring", tail=list(tail), sizes=given)
+
         sizes = gather_sizes(g, sizes, rows, "all_gather")
         shape = (sum(sizes),) + tail
         out = new_out(check_out(out, shape, tensor.dtype, "all_gather"), tensor, shape)
@@ -199,7 +198,8 @@ class Collectives(AlgorithmSource):
             return out
 
         c = Call(g, "reduce_scatter", "ring")
-        return run(c, steps(), async_op, signature(tensor, same_shape=True, reduce=op, sizes=sizes, algo="ring"))
+        sig = lambda: signature(tensor, same_shape=True, reduce=op, sizes=sizes, algo="ring")  # noqa: E731
+        return run(c, steps(), async_op, sig)
 
     def all_to_all(
         self,
@@ -241,7 +241,7 @@ class Collectives(AlgorithmSource):
             return out
 
         c = Call(g, "all_to_all", "pairwise")
-        return run(c, steps(), async_op, signature(tensor, same_shape=False, tail=list(tail), algo="pairwise"))
+        return run(c, steps(), async_op, lambda: signature(tensor, same_shape=False, tail=list(tail), algo="pairwise"))
 
     def gather(self, tensor, dst: int = 0, group=None, async_op: bool = False, algo: str | None = None, out=None):
         """Concatenate every rank's ``tensor`` (equal shapes) along axis 0 on rank ``dst``.
@@ -265,7 +265,7 @@ class Collectives(AlgorithmSource):
             return out if g.rank == root else None
 
         c = Call(g, "gather", "linear")
-        return run(c, steps(), async_op, signature(tensor, same_shape=True, root=root, algo="linear"))
+        return run(c, steps(), async_op, lambda: signature(tensor, same_shape=True, root=root, algo="linear"))
 
     def scatter(self, tensor, full=None, src: int = 0, group=None, async_op: bool = False, algo: str | None = None):
         """Fill ``tensor`` (in place, every rank) with piece r of ``full`` from rank ``src``.
@@ -286,11 +286,12 @@ class Collectives(AlgorithmSource):
             return tensor
 
         c = Call(g, "scatter", "linear")
-        return run(c, steps(), async_op, signature(tensor, same_shape=True, root=root, algo="linear"))
+        return run(c, steps(), async_op, lambda: signature(tensor, same_shape=True, root=root, algo="linear"))
 
     def barrier(self, group=None, async_op: bool = False):
         """Return once every rank of the group has entered (dissemination algorithm, zero-byte messages)."""
         __tracebackhide__ = True  # in pytest, errors point at the caller's line
         g = resolve(group)
         c = Call(g, "barrier", "dissemination")
-        return run(c, doubling.barrier_dissemination(c), async_op, {"shape": [], "dtype": "none", "same_shape": True})
+        sig = {"shape": [], "dtype": "none", "same_shape": True}
+        return run(c, doubling.barrier_dissemination(c), async_op, lambda: sig)

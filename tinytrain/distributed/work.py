@@ -49,14 +49,15 @@ class Call:
     def exchange(self, what: str, sends=(), recvs=()) -> Exchange:
         """Post one step: ``sends``/``recvs`` are ``(buffer, group_rank)`` pairs."""
         ex = Exchange(self.group, self.op, what)
+        tag = self.tag
         for buf, peer in recvs:  # receives first: a matching send then never waits for a buffer
-            ex.recv(buf, peer, self.tag)
-            self.bytes_recv += buf.nbytes
-            self.peers.add(peer)
+            ex.recv(buf, peer, tag)
         for buf, peer in sends:
-            ex.send(buf, peer, self.tag)
-            self.bytes_sent += buf.nbytes
-            self.peers.add(peer)
+            ex.send(buf, peer, tag)
+        if trace.enabled:  # totals for the trace span of the whole call
+            self.bytes_recv += sum(buf.nbytes for buf, _ in recvs)
+            self.bytes_sent += ex.nbytes
+            self.peers.update(peer for _, peer in (*sends, *recvs))
         self.step = ex
         return ex
 
@@ -143,10 +144,13 @@ class Work:
         return self._result
 
 
-def run(call: Call, body, async_op: bool, signature: dict):
-    """Start ``body`` (a generator) behind the debug signature check; wait unless async."""
+def run(call: Call, body, async_op: bool, signature):
+    """Start ``body`` (a generator) behind the debug signature check; wait unless async.
+
+    ``signature()`` returns what this rank calls, as a dict (shape, dtype, ...); it is only
+    called in debug mode (building it costs more than a small collective's own work)."""
     __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
-    gen = _checked(call, signature, body) if watchdog.debug() else body
+    gen = _checked(call, signature(), body) if watchdog.debug() else body
     work = Work(call, gen)
     if async_op:
         if not work._done:
