@@ -25,11 +25,12 @@ SETTINGS = {
     "TINYTRAIN_DEVICE": "auto: CuPy if a GPU works, else NumPy",
     "TINYTRAIN_GPU": "local rank r uses GPU r mod the GPU count",
     "TINYTRAIN_CUDA_AWARE_MPI": "asked of MPI, see CUDA-aware above",
-    "TINYTRAIN_TIMEOUT": "60 s per wait",
+    "TINYTRAIN_TIMEOUT": "20 s per wait (TINYTRAIN_BUSY_TIMEOUT: 600 s while the awaited rank computes)",
     "TINYTRAIN_DEBUG": "collective signatures not cross-checked",
     "TINYTRAIN_TRACE": "no spans recorded",
-    "TINYTRAIN_SPIN": "20 polls when ranks outnumber cores, else 2000",
-    "TINYTRAIN_MPI_DEFAULTS": "MPICH throttle defaults applied (see MPIR_CVAR_* below)",
+    "TINYTRAIN_SPIN": "0 polls when ranks outnumber cores, else 2000, before yielding the core",
+    "TINYTRAIN_YIELDS": "50 polls with the core yielded between them, then sleeps",
+    "TINYTRAIN_MPI_THROTTLE": "MPI as it comes; 1 adds MPICH's progress throttle (see MPIR_CVAR_* below)",
     "TINYTRAIN_STRICT_GPUS": "4 fake GPUs under TINYTRAIN_DEVICE=strict",
 }
 OTHER_SETTINGS = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")

@@ -41,7 +41,7 @@ def test_doctor_reports_versions_device_mpi_ranks_and_settings(tmp_path, capsys,
         assert all(r["gpu"] is None for r in ranks) and "no GPU" in out
     assert report["settings"]["TINYTRAIN_TIMEOUT"] == "=17"
     assert report["settings"]["TINYTRAIN_GPU"].startswith("  (unset:")
-    for name in ("MPIR_CVAR_CH4_PROGRESS_THROTTLE",):  # tinytrain's MPICH defaults, in effect
+    for name in ("MPIR_CVAR_CH4_PROGRESS_THROTTLE",):  # MPICH's throttle, if in effect (TINYTRAIN_MPI_THROTTLE=1)
         if name in os.environ:
             assert report["settings"][name] == f"={os.environ[name]}"
     for line in (

@@ -9,7 +9,7 @@ import pytest
 
 from tinytrain import distributed as dist
 from tinytrain.bench import collectives as bench
-from tinytrain.distributed._mpi import MPICH_DEFAULTS
+from tinytrain.distributed._mpi import MPICH_THROTTLE
 
 
 def _run(tmp_path, *flags):
@@ -87,37 +87,37 @@ def test_baseline_is_mpi_as_it_comes_and_both_columns_point_the_same_way(tmp_pat
     # the second launch read no MPICH setting of ours at its MPI_Init; this one ran under its own
     assert "# MPI as it comes: a second mpirun -n 4 launch, MPICH settings: none (MPICH's own defaults)" in printed
     assert f"# ours (tinytrain's collectives): this launch, MPICH settings: {bench.mpich_settings()}" in printed
-    assert f"# MPI throttled: this launch (tinytrain's settings), MPICH settings: {bench.mpich_settings()}" in printed
+    assert f"# MPI here: this launch, MPICH settings: {bench.mpich_settings()}" in printed
     assert "# ratio = our busbw / busbw of MPI as it comes (above 1: ours faster; below 1: MPI faster)" in printed
     assert [r["collective"] for r in rows] == ["all_reduce", "reduce_scatter"]
     for r in rows:
         assert r["mpi_settings"] == "as it comes"
         assert r["ratio"] == pytest.approx(r["busbw_gbps"] / r["mpi_busbw_gbps"])
-        assert r["ratio_throttled"] == pytest.approx(r["busbw_gbps"] / r["mpi_throttled_busbw_gbps"])
-        assert r["mpi_time_us"] > 0 and r["mpi_throttled_time_us"] > 0
+        assert r["ratio_here"] == pytest.approx(r["busbw_gbps"] / r["mpi_here_busbw_gbps"])
+        assert r["mpi_time_us"] > 0 and r["mpi_here_time_us"] > 0
 
 
 @pytest.mark.world_size(4)
-def test_throttled_baseline_runs_in_this_launch_and_says_so(tmp_path, capsys, monkeypatch):
+def test_the_here_baseline_runs_in_this_launch_and_says_under_which_settings(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench, "BaselineLaunch", None)  # would fail if a second launch were started
-    rows = _run(tmp_path, "--sizes", "1K", "--collectives", "broadcast", "--mpi", "throttled")
+    rows = _run(tmp_path, "--sizes", "1K", "--collectives", "broadcast", "--mpi", "here")
     if dist.get_rank() == 0:
         printed = capsys.readouterr().out
         assert "MPI as it comes" not in printed
-        assert "# ratio = our busbw / busbw of MPI throttled (above 1: ours faster; below 1: MPI faster)" in printed
-        assert [r["mpi_settings"] for r in rows] == ["tinytrain's (throttled)"]
+        assert "# ratio = our busbw / busbw of MPI here (above 1: ours faster; below 1: MPI faster)" in printed
+        assert [r["mpi_settings"] for r in rows] == [f"this launch's: {bench.mpich_settings()}"]
 
 
 def test_the_baseline_environment_drops_our_settings_and_this_launchs_wiring(monkeypatch):
     monkeypatch.setenv("PMI_RANK", "3")
     monkeypatch.setenv("HYDI_CONTROL_FD", "7")
     monkeypatch.setenv("SOME_USER_SETTING", "kept")
-    for key, value in MPICH_DEFAULTS.items():
+    for key, value in MPICH_THROTTLE.items():
         monkeypatch.setenv(key, value)
     env = bench.baseline_environment()
-    assert not set(MPICH_DEFAULTS) & set(env)
+    assert not set(MPICH_THROTTLE) & set(env)
     assert "PMI_RANK" not in env and "HYDI_CONTROL_FD" not in env
-    assert env["TINYTRAIN_MPI_DEFAULTS"] == "0" and env["SOME_USER_SETTING"] == "kept"
+    assert env["TINYTRAIN_MPI_THROTTLE"] == "0" and env["SOME_USER_SETTING"] == "kept"
     assert bench.mpich_settings(env) == "none (MPICH's own defaults)"
 
 

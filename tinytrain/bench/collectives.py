@@ -1,20 +1,22 @@
 """``mpirun -n N tinytrain bench collectives``: our collectives against MPI's own, nccl-tests style.
 
-Which MPI is the baseline (``--mpi``). MPI reads its settings once, in ``MPI_Init``; tinytrain sets
-MPICH ones before that (``distributed/_mpi.py``: a progress throttle that yields the core, good for
-4 ranks on 2 cores, but it slows MPI's own small collectives many times over). So:
+Which MPI is the baseline (``--mpi``). MPI reads its settings once, in ``MPI_Init``. tinytrain runs
+MPI as it comes unless ``TINYTRAIN_MPI_THROTTLE=1`` asks for MPICH's progress throttle
+(``distributed/_mpi.py``: it yields the core in blocking calls, and slows MPI's own small
+collectives many times over). So:
 
 * ``default`` (the default): MPI as it comes, what a user gets from ``mpirun`` without tinytrain.
   Rank 0 launches a second ``mpirun -n N`` of this module (``--baseline-worker``) with tinytrain's
-  settings removed from its environment (``TINYTRAIN_MPI_DEFAULTS=0``) and drives it over a pipe.
+  throttle removed from its environment (``TINYTRAIN_MPI_THROTTLE=0``) and drives it over a pipe.
   Rounds alternate between the two launches (ours here, then MPI's there, ...), and the launch that
   is not measuring waits asleep (polling a non-blocking broadcast every millisecond, never spinning
   in MPI), so load from elsewhere hits both alike and neither takes the cores from the other.
-* ``throttled``: MPI in this launch, under tinytrain's settings (the flattering figure, as before).
+* ``here``: MPI in this launch, under this launch's settings (no second launch; with
+  ``TINYTRAIN_MPI_THROTTLE=1`` these are the throttled figures).
 * ``both``: both columns, three-way alternated; ``ratio`` is against MPI as it comes.
 
 The header says which MPICH settings each side ran under. Ours always runs in this launch, under
-the settings it was started with (tinytrain's defaults unless ``TINYTRAIN_MPI_DEFAULTS=0``).
+the settings it was started with (MPI as it comes unless ``TINYTRAIN_MPI_THROTTLE=1``).
 
 For every collective and message size the implementations run interleaved (ours, MPI, ours, MPI,
 ...), best round of each kept. Reported per row:
@@ -27,7 +29,7 @@ For every collective and message size the implementations run interleaved (ours,
   comparable across collectives and rank counts: 2(n-1)/n for all_reduce, (n-1)/n for
   all_gather, reduce_scatter and all_to_all, 1 for broadcast.
 * ``ratio`` = our busbw / MPI's busbw (above 1: ours is faster), against MPI as it comes unless
-  ``--mpi throttled``; ``--mpi both`` adds ``ratio_throttled`` (against MPI under tinytrain's settings).
+  ``--mpi here``; ``--mpi both`` adds ``ratio_here`` (against MPI in this launch).
 
 ``--receive-check`` also times ours with the per-receive byte-count check switched off (interleaved
 with the rest) and prints what the check costs, in percent of our time (``check %``; about 0 is the
@@ -97,10 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mpi",
-        choices=("default", "throttled", "both"),
+        choices=("default", "here", "both"),
         default="default",
         help="the baseline: MPI as it comes (a second mpirun launch without tinytrain's MPICH settings), "
-        "MPI under tinytrain's settings in this launch, or both",
+        "MPI in this launch under its settings (TINYTRAIN_MPI_THROTTLE=1: throttled), or both",
     )
     parser.add_argument(
         "--impl",
@@ -276,15 +278,15 @@ def _receive_check_ns(rounds: int = 15, messages: int = 2000) -> tuple[float, fl
 
 
 def _measure(
-    name, size, n, comm, algo, rounds, dist=None, receive_check=False, on_device=False, mpi="throttled", baseline=None
+    name, size, n, comm, algo, rounds, dist=None, receive_check=False, on_device=False, mpi="here", baseline=None
 ):
     """Best seconds per call of each side, by key: ``ours``; ``mpi_here`` (MPI in this launch, under
-    its settings; ``--mpi throttled`` or ``both``); ``mpi_default`` (MPI as it comes, in the
+    its settings; ``--mpi here`` or ``both``); ``mpi_default`` (MPI as it comes, in the
     ``baseline`` launch; ``--mpi default`` or ``both``); ``unchecked`` (ours without the receive
     check, ``receive_check`` only). Rounds alternate over all of them; the best of each is kept."""
     ours, mpi_here = _setups(name, size, n, comm, algo, dist, on_device)
     here = {"ours": ours}
-    if mpi in ("throttled", "both"):
+    if mpi in ("here", "both"):
         here["mpi_here"] = mpi_here
     if receive_check:
         here["unchecked"] = _unchecked(ours)
@@ -319,11 +321,11 @@ def mpich_settings(env=None) -> str:
 
 
 def baseline_environment() -> dict:
-    """This environment without this launch's wiring and without tinytrain's MPICH settings."""
-    from tinytrain.distributed._mpi import MPICH_DEFAULTS
+    """This environment without this launch's wiring and without tinytrain's MPICH throttle."""
+    from tinytrain.distributed._mpi import MPICH_THROTTLE
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) and k not in MPICH_DEFAULTS}
-    env["TINYTRAIN_MPI_DEFAULTS"] = "0"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) and k not in MPICH_THROTTLE}
+    env["TINYTRAIN_MPI_THROTTLE"] = "0"
     return env
 
 
@@ -337,7 +339,7 @@ def _mpirun() -> str:
         if found:
             return found
     raise ValueError(
-        "--mpi default launches MPI as it comes with mpirun, which is not on PATH: add it, or use --mpi throttled"
+        "--mpi default launches MPI as it comes with mpirun, which is not on PATH: add it, or use --mpi here"
     )
 
 
@@ -509,16 +511,16 @@ def _header(args, n: int, mpi: str, baseline) -> None:
     print(f"# ours ({impl} collectives): this launch, MPICH settings: {mpich_settings()}")
     if baseline is not None:
         print(f"# MPI as it comes: a second mpirun -n {n} launch, MPICH settings: {baseline.settings}")
-    if mpi in ("throttled", "both"):
-        print(f"# MPI throttled: this launch (tinytrain's settings), MPICH settings: {mpich_settings()}")
-    against = "MPI as it comes" if baseline is not None else "MPI throttled"
+    if mpi in ("here", "both"):
+        print(f"# MPI here: this launch, MPICH settings: {mpich_settings()}")
+    against = "MPI as it comes" if baseline is not None else "MPI here"
     print(f"# ratio = our busbw / busbw of {against} (above 1: ours faster; below 1: MPI faster)")
     if mpi == "both":
-        print("# ratio thr = our busbw / busbw of MPI throttled (same direction)")
+        print("# ratio here = our busbw / busbw of MPI here (same direction)")
     print(
         f"# {'collective':<15}{'algo':<20}{'size':>7}{'time us':>11}{'algbw GB/s':>12}"
         f"{'busbw GB/s':>12}{'MPI busbw':>11}{'ratio':>7}"
-        + (f"{'MPI thr':>9}{'ratio thr':>10}" if mpi == "both" else "")
+        + (f"{'MPI here':>9}{'ratio here':>11}" if mpi == "both" else "")
         + (f"{'check %':>9}" if getattr(args, "receive_check", False) else ""),
         flush=True,
     )
@@ -568,15 +570,15 @@ def _bench(args, comm, mpi: str, baseline) -> list:
 
 
 def _row(name: str, algo: str, size: int, n: int, best: dict, mpi: str) -> dict:
-    """One JSON row: ours, the baseline (``mpi_*``: as it comes unless --mpi throttled), ratios."""
+    """One JSON row: ours, the baseline (``mpi_*``: as it comes unless --mpi here), ratios."""
     factor = _BUS_FACTOR[name](n)
-    ours, baseline = best["ours"], best["mpi_default" if mpi != "throttled" else "mpi_here"]
+    ours, baseline = best["ours"], best["mpi_default" if mpi != "here" else "mpi_here"]
     row = {
         "collective": name,
         "algo": algo,
         "size_bytes": size,
         "ranks": n,
-        "mpi_settings": "as it comes" if mpi != "throttled" else "tinytrain's (throttled)",
+        "mpi_settings": "as it comes" if mpi != "here" else f"this launch's: {mpich_settings()}",
         "time_us": ours * 1e6,
         "mpi_time_us": baseline * 1e6,
         "algbw_gbps": size / ours / 1e9,
@@ -586,10 +588,10 @@ def _row(name: str, algo: str, size: int, n: int, best: dict, mpi: str) -> dict:
         "ratio": baseline / ours,  # = busbw / mpi_busbw: above 1, ours is faster
     }
     if mpi == "both":
-        throttled = best["mpi_here"]
-        row["mpi_throttled_time_us"] = throttled * 1e6
-        row["mpi_throttled_busbw_gbps"] = size / throttled / 1e9 * factor
-        row["ratio_throttled"] = throttled / ours
+        here = best["mpi_here"]
+        row["mpi_here_time_us"] = here * 1e6
+        row["mpi_here_busbw_gbps"] = size / here / 1e9 * factor
+        row["ratio_here"] = here / ours
     if "unchecked" in best:
         row["time_unchecked_us"] = best["unchecked"] * 1e6
         row["receive_check_pct"] = 100 * (ours / best["unchecked"] - 1)
@@ -602,7 +604,7 @@ def _print_row(row: dict, mpi: str, receive_check: bool) -> None:
         f"{row['algbw_gbps']:>12.3f}{row['busbw_gbps']:>12.3f}{row['mpi_busbw_gbps']:>11.3f}{row['ratio']:>7.2f}"
     )
     if mpi == "both":
-        line += f"{row['mpi_throttled_busbw_gbps']:>9.3f}{row['ratio_throttled']:>10.2f}"
+        line += f"{row['mpi_here_busbw_gbps']:>9.3f}{row['ratio_here']:>11.2f}"
     if receive_check:
         line += f"{row['receive_check_pct']:>9.1f}"
     print(line, flush=True)

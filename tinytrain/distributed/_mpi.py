@@ -1,34 +1,34 @@
-"""Import mpi4py's MPI with tinytrain's defaults applied first.
+"""Import mpi4py's MPI, with MPICH's progress throttle first if asked for.
 
 MPI reads its settings from the environment once, inside ``MPI_Init``, and mpi4py calls
 ``MPI_Init`` when ``mpi4py.MPI`` is first imported. So every module in this package imports MPI
-from here, and the defaults below are in place before that happens. ``os.environ.setdefault`` means
-a value the user exported still wins.
+from here, and settings chosen here are in place before that happens.
 
-Why these settings: a classroom laptop or a CI runner often runs 4 ranks on 2 cores. MPICH's
-blocking calls busy-poll ("spin") while they wait, so a rank waiting in ``MPI_Barrier`` steals the
-core from the rank it is waiting for. Our own waits never block inside MPI (they poll with
-``MPI_Test`` and sleep, see ``watchdog.py``), but the test harness and the reference collectives do
-call blocking MPI. The throttle makes MPICH's progress loop yield the core when nothing happens.
-
-Measured on 2 cores, ``mpirun -n 4 python -m pytest tests/distributed``: 12.7-14.9 s with these
-settings, 16.8-18.8 s without them (``TINYTRAIN_MPI_DEFAULTS=0``), 38 s when our own waits spin
-too (``TINYTRAIN_SPIN`` huge). The throttle without heavy yield was worse (20 s).
+By default tinytrain runs MPI as it comes (MPICH's own settings, or whatever the user exported).
+``TINYTRAIN_MPI_THROTTLE=1`` adds :data:`MPICH_THROTTLE` (``os.environ.setdefault``: a value the
+user exported still wins): MPICH's progress loop then sleeps when a poll made no progress, instead
+of spinning. That helps blocking MPI calls when ranks outnumber cores (a rank spinning in
+``MPI_Barrier`` takes the core from the rank it waits for), but none of our waits block inside MPI
+(they poll with ``MPI_Test``, see ``watchdog.py``), and for them the throttle is ruinous: every
+``MPI_Test`` that finds nothing sleeps about 60 us, so a 1 KiB all-reduce took 2-4x longer.
+Measured on 2 cores, ``mpirun -n 4 python -m pytest tests/distributed``, alternating: 32 s and 39 s
+as MPI comes, 40 s and 39 s throttled (it was the default until our waits learned to yield).
+``tinytrain bench collectives`` can show MPI's own figures both ways (its ``--mpi`` option).
 """
 
 from __future__ import annotations
 
 import os
 
-MPICH_DEFAULTS = {
+MPICH_THROTTLE = {
     # Yield the CPU inside MPICH's progress loop after polls that made no progress.
     "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1",
     # ...and make that yield a real sleep, not sched_yield (which on Linux may return at once).
     "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1",
 }
 
-if os.environ.get("TINYTRAIN_MPI_DEFAULTS", "1") != "0":
-    for _key, _value in MPICH_DEFAULTS.items():
+if os.environ.get("TINYTRAIN_MPI_THROTTLE", "0") == "1":
+    for _key, _value in MPICH_THROTTLE.items():
         os.environ.setdefault(_key, _value)
 
 import mpi4py  # noqa: E402
