@@ -40,6 +40,14 @@ from tinytrain.distributed.work import Call
 #      rank 0        rank 1        rank 2        rank 3
 #    [ . Σ . . ]   [ . . Σ . ]   [ . . . Σ ]   [ Σ . . . ]
 #
+# Out of place: a rank never writes into its input. The partial sum it receives is combined with
+# its own chunk into a chunk-sized buffer and forwarded from there in the next step; the last sum
+# lands in ``out``. So the public reduce-scatter reads the caller's buffer as it is (no copy of it)
+# and writes only its own piece. Where a rank's bytes go per step: MPI copies one chunk in (N/n),
+# ``combine`` reads it and the rank's own chunk and writes the sum (3 N/n): the reduction costs
+# memory traffic that an all-gather does not have, so a reduce-scatter's busbw stays below the
+# all-gather's when ranks share cores.
+#
 # All-gather then circulates the finished chunks n-1 more steps, overwriting instead of adding.
 # Each rank sends n-1 chunks per phase, so all-reduce sends 2(n-1)/n of the buffer per rank,
 # independent of n: the bandwidth-optimal volume.
@@ -49,15 +57,17 @@ from tinytrain.distributed.work import Call
 # chunk r (the natural layout for sharding).
 
 
-def _ring_reduce_scatter(c: Call, flat, bounds, op: str, shift: int):
-    """Ring reduce-scatter of ``flat``, in place, in n-1 steps (assignment task 1.1).
+def _ring_reduce_scatter(c: Call, flat, bounds, op: str, shift: int, out):
+    """Ring reduce-scatter of ``flat`` in n-1 steps, out of place (assignment task 1.1).
 
-    ``bounds[i]`` is the (start, stop) of chunk i in ``flat``. Each step is one
-    ``yield c.exchange(what, sends=[(chunk, right)], recvs=[(tmp, left)])``: a step's send and
-    receive are posted together, so no rank waits for another to receive first. After the last
-    step, chunk (r + 1 + shift) % n of rank r holds the reduction (``combine``) over all ranks.
+    ``bounds[i]`` is the (start, stop) of chunk i in ``flat``, which is only read. Each step is one
+    ``yield c.exchange(what, sends=[(chunk, right)], recvs=[(buffer, left)])``: a step's send and
+    receive are posted together, so no rank waits for another to receive first. The partial sum
+    received is combined (``combine``) with this rank's own chunk and forwarded in the next step;
+    after the last step ``out`` holds chunk (r + 1 + shift) % n reduced over all ranks. ``out`` may
+    be that chunk of ``flat`` itself (the ring all-reduce reduces in place that way).
     """
-    raise NotImplementedError("TODO 1.1: Step s sends chunk (r-s+shift)%n right, receives chunk (r-s-1+shift)%n from the left, combines it in.")
+    raise NotImplementedError("TODO 1.1: Step s sends (step 0: chunk (r-s+shift)%n of flat; later: the sum made the step before) right, receives chunk (r-s-1+shift)%n from the left into a buffer, combines in flat's chunk (the last step into out).")
 
 
 def _ring_all_gather(c: Call, flat, bounds, shift: int, label: str = "ring all-gather"):
@@ -74,7 +84,7 @@ def _all_reduce_ring(c: Call, flat, op: str):
 
     Volume sent by rank r with chunk lengths len_i (split_counts):
     2*N - len_{(r+1)%n} - len_{(r+2)%n} elements, i.e. 2(n-1)/n * N when n divides N."""
-    raise NotImplementedError("TODO 1.3: Chunks: chunk_bounds(split_counts(flat.size, n)); reduce-scatter, then all-gather, shift=0.")
+    raise NotImplementedError("TODO 1.3: Chunks: chunk_bounds(split_counts(flat.size, n)); reduce-scatter into this rank's own chunk of flat (r+1 with shift=0), then all-gather, shift=0.")
 
 
 # =================================================================================================

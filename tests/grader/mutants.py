@@ -57,22 +57,27 @@ def M(name, task, file, old, new, cause, ci=False, more=()):
 _RS_LOOP = """    for s in range(n - 1):
         send_i, recv_i = (r - s + shift) % n, (r - s - 1 + shift) % n
         (sa, sb), (ra, rb) = bounds[send_i], bounds[recv_i]
-        incoming = tmp[: rb - ra]
+        if s == 0:
+            outgoing = flat[sa:sb]  # the first step sends this rank's own chunk as it is
+        incoming = sums[s % 2][: rb - ra]
         yield c.exchange(
             f"ring reduce-scatter step {s + 1}/{n - 1} (chunk {send_i} to rank {right}, "
             f"chunk {recv_i} from rank {left})",
-            sends=[(flat[sa:sb], right)],
+            sends=[(outgoing, right)],
             recvs=[(incoming, left)],
         )
-        combine(flat[ra:rb], incoming, op)
+        last = s == n - 2
+        combine(incoming, flat[ra:rb], op, out=out if last else incoming)
+        outgoing = incoming
 """
 _RS_DIRECT = """    ma, mb = bounds[(r + 1 + shift) % n]
+    out[...] = flat[ma:mb]
     for s in range(1, n):  # straight to each chunk's owner: right values and bytes, but no ring
         dst, src = (r + s) % n, (r - s) % n
         sa, sb = bounds[(dst + 1 + shift) % n]
-        incoming = tmp[: mb - ma]
+        incoming = sums[0][: mb - ma]
         yield c.exchange(f"direct step {s}", sends=[(flat[sa:sb], dst)], recvs=[(incoming, src)])
-        combine(flat[ma:mb], incoming, op)
+        combine(out, incoming, op)
 """
 _A2A_LOOP = """    for s in range(1, n):
         dst, src = (r + s) % n, (r - s) % n
@@ -115,8 +120,8 @@ MUTANTS = [
         "send_send_deadlock_at_large_sizes",
         "1.1",
         A1,
-        "            sends=[(flat[sa:sb], right)],\n            recvs=[(incoming, left)],\n        )",
-        "            sends=[(flat[sa:sb], right)],\n        )\n"
+        "            sends=[(outgoing, right)],\n            recvs=[(incoming, left)],\n        )",
+        "            sends=[(outgoing, right)],\n        )\n"
         "        yield c.exchange('receive', recvs=[(incoming, left)])",
         "CommTimeout.*timed out|a ring takes n-1",
     ),
@@ -124,8 +129,8 @@ MUTANTS = [
         "overwrites_instead_of_adding",
         "1.1",
         A1,
-        "        combine(flat[ra:rb], incoming, op)\n",
-        "        flat[ra:rb] = incoming\n",
+        "        combine(incoming, flat[ra:rb], op, out=out if last else incoming)\n",
+        "        if last:\n            out[...] = incoming\n",
         "differs at index",
     ),
     M(

@@ -17,9 +17,10 @@ def xp_of(arr):
     return numpy if isinstance(arr, numpy.ndarray) else backend.xp
 
 
-def combine(acc, incoming, op: str) -> None:
-    """acc <- acc (op) incoming, elementwise, in place (``"avg"`` adds; the caller divides at the end)."""
-    getattr(xp_of(acc), _UFUNC[op])(acc, incoming, out=acc)
+def combine(acc, incoming, op: str, out=None) -> None:
+    """out <- acc (op) incoming, elementwise (``out`` defaults to ``acc``: in place); ``"avg"`` adds,
+    the caller divides at the end. One pass over memory, no temporary."""
+    getattr(xp_of(acc), _UFUNC[op])(acc, incoming, out=acc if out is None else out)
 
 
 def chunk_bounds(counts: list[int]) -> list[tuple[int, int]]:

@@ -185,14 +185,13 @@ class Collectives(AlgorithmSource):
         out = new_out(check_out(out, shape, tensor.dtype, "reduce_scatter"), tensor, shape)
 
         def steps():
-            work = tensor.reshape(-1).copy()  # the ring reduces in place; keep the caller's input intact
-            if self._cut_out("_ring_reduce_scatter"):  # student release (see rooted.py)
-                yield from rooted.reduce_scatter_standin(c, work, bounds, op)
-            else:
-                yield from self._alg("_ring_reduce_scatter")(c, work, bounds, op, shift=-1)
-            a, b = bounds[g.rank]
             flat = out.reshape(-1)
-            flat[...] = work[a:b]
+            if g.size == 1:  # nothing to reduce: the one piece is the whole buffer
+                flat[...] = tensor.reshape(-1)
+            elif self._cut_out("_ring_reduce_scatter"):  # student release (see rooted.py)
+                yield from rooted.reduce_scatter_standin(c, tensor.reshape(-1), bounds, op, flat)
+            else:  # the ring only reads the caller's buffer and writes this rank's piece into out
+                yield from self._alg("_ring_reduce_scatter")(c, tensor.reshape(-1), bounds, op, shift=-1, out=flat)
             if op == "avg":
                 flat[...] /= g.size
             return out
