@@ -21,7 +21,7 @@ its own, running the student's algorithms.
 
 from __future__ import annotations
 
-from tinytrain.distributed.chunks import chunk_bounds, combine, split_counts, xp_of
+from tinytrain.distributed.chunks import chunk_bounds, combine, split_counts
 from tinytrain.distributed.collectives import Collectives
 from tinytrain.distributed.rooted import tree_children
 from tinytrain.distributed.work import Call

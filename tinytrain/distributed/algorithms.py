@@ -17,7 +17,7 @@ its own, running the student's algorithms.
 
 from __future__ import annotations
 
-from .chunks import chunk_bounds, combine, split_counts, xp_of
+from .chunks import chunk_bounds, combine, split_counts
 from .collectives import Collectives
 from .rooted import tree_children
 from .work import Call
@@ -68,7 +68,7 @@ def _ring_reduce_scatter(c: Call, flat, bounds, op: str, shift: int, out):
     right, left = (r + 1) % n, (r - 1) % n
     longest = max((b - a for a, b in bounds), default=0)
     # Two buffers: the sum made in one step is sent from it while the next partial sum arrives in the other.
-    sums = [xp_of(flat).empty(longest, dtype=flat.dtype) for _ in range(min(2, n - 1))]
+    sums = [c.scratch(longest, flat) for _ in range(min(2, n - 1))]
     outgoing = None
     for s in range(n - 1):
         send_i, recv_i = (r - s + shift) % n, (r - s - 1 + shift) % n

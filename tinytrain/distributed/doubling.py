@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy
 
-from .chunks import chunk_bounds, combine, split_counts, xp_of
+from .chunks import chunk_bounds, combine, split_counts
 from .work import Call
 
 # =================================================================================================
@@ -30,7 +30,7 @@ from .work import Call
 def all_reduce_recursive_doubling(c: Call, flat, op: str):
     n, r = c.size, c.rank
     p = 1 << (n.bit_length() - 1)
-    tmp = xp_of(flat).empty_like(flat)
+    tmp = c.scratch(flat.size, flat)
     if r >= p:  # an extra rank: fold into r - p, get the answer back later
         yield c.exchange(f"recursive doubling: fold into rank {r - p}", sends=[(flat, r - p)])
         yield c.exchange(f"recursive doubling: result from rank {r - p}", recvs=[(flat, r - p)])
@@ -77,7 +77,7 @@ def all_reduce_halving_doubling(c: Call, flat, op: str):
         yield c.exchange(f"halving-doubling: fold into rank {r - p}", sends=[(flat, r - p)])
         yield c.exchange(f"halving-doubling: result from rank {r - p}", recvs=[(flat, r - p)])
         return
-    tmp = xp_of(flat).empty_like(flat)
+    tmp = c.scratch(flat.size, flat)
     if r + p < n:
         yield c.exchange(f"halving-doubling: fold from rank {r + p}", recvs=[(tmp, r + p)])
         combine(flat, tmp, op)

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 
 import numpy
 
 from tinytrain import trace
 
 from . import group, watchdog
+from .chunks import xp_of
 from .p2p import Exchange
 
 _TAG_BASE, _TAG_SPAN = 1024, 30000  # collective tags: 1024 + seq % 30000
@@ -45,6 +47,18 @@ class Call:
         self.start = trace.now() if trace.enabled else 0.0
         self.bytes_sent = self.bytes_recv = 0  # for the trace span of the whole call
         self.peers: set[int] = set()
+        self.borrowed: list = []  # scratch buffers, given back to the pool when the call succeeds
+
+    def scratch(self, count: int, like):
+        """A 1-D buffer of ``count`` elements of ``like``'s dtype, on ``like``'s device, for the
+        algorithm's partial results. Reused across calls (see ``_scratch``): allocating a big one
+        afresh each call costs more than the arithmetic done in it (new pages fault in one by one)."""
+        xp = xp_of(like)
+        key = (xp.__name__, like.dtype.str, int(count))
+        free = _scratch.get(key)
+        buf = free.pop() if free else xp.empty(int(count), dtype=like.dtype)
+        self.borrowed.append((key, buf))
+        return buf
 
     def exchange(self, what: str, sends=(), recvs=()) -> Exchange:
         """Post one step: ``sends``/``recvs`` are ``(buffer, group_rank)`` pairs."""
@@ -67,6 +81,23 @@ class Call:
 
     def pending(self):
         return self.step.pending() if self.step is not None else []
+
+
+# Scratch buffers of finished calls, by (array module, dtype, length), most recently used last. Only a
+# call that *succeeded* gives its buffers back: after a timeout a receive may still land in one.
+# At most _SCRATCH_KEYS sizes and _SCRATCH_PER_KEY buffers each are kept.
+_scratch: OrderedDict = OrderedDict()
+_SCRATCH_KEYS, _SCRATCH_PER_KEY = 16, 4
+
+
+def _give_back(borrowed: list) -> None:
+    for key, buf in borrowed:
+        free = _scratch.setdefault(key, [])
+        _scratch.move_to_end(key)
+        if len(free) < _SCRATCH_PER_KEY:
+            free.append(buf)
+    while len(_scratch) > _SCRATCH_KEYS:
+        _scratch.popitem(last=False)
 
 
 _lock = threading.RLock()  # one driver at a time (the caller or the progress thread)
@@ -99,6 +130,9 @@ class Work:
         self._done, self._result = True, result
         self._call.step = None
         _pending.discard(self)
+        if self._call.borrowed:
+            _give_back(self._call.borrowed)
+            self._call.borrowed = []
         if trace.enabled:
             c = self._call
             trace.record(
@@ -169,8 +203,10 @@ def progress_all() -> None:
 
 
 def forget_pending() -> None:
-    """Drop all pending handles (done whenever the world is replaced, e.g. between tests)."""
+    """Drop all pending handles and pooled scratch buffers (whenever the world is replaced, e.g.
+    between tests)."""
     _pending.clear()
+    _scratch.clear()
 
 
 group.on_uninstall(forget_pending)

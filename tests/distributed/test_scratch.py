@@ -1,0 +1,118 @@
+"""Scratch buffers and the out-of-place reduce-scatter (issue 18: no per-call allocation of big
+temporaries, no copy of the reduce-scatter's input).
+
+``Call.scratch`` lends an algorithm a buffer for its partial results; a call that succeeds gives it
+back and the next call of that size reuses it. A call that fails does not: a receive of the abandoned
+call may still land in it. Two calls in flight at once never share one.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from tinytrain import distributed as dist
+from tinytrain.distributed import work
+
+
+def _pooled_ids() -> set[int]:
+    return {id(buf) for free in work._scratch.values() for buf in free}
+
+
+@pytest.mark.world_size(4)
+def test_a_second_call_reuses_the_first_ones_scratch_buffers(monkeypatch):
+    x = np.arange(4096, dtype=np.float32)
+    dist.reduce_scatter(x)
+    lent = _pooled_ids()
+    assert len(lent) == 2, "the ring reduce-scatter borrows two chunk buffers and gives them back"
+    borrowed = []
+    real = work.Call.scratch
+
+    def spy(self, count, like):
+        buf = real(self, count, like)
+        borrowed.append(id(buf))
+        return buf
+
+    monkeypatch.setattr(work.Call, "scratch", spy)
+    got = dist.reduce_scatter(x)
+    assert set(borrowed) == lent, "the second call must take the pooled buffers, not allocate new ones"
+    np.testing.assert_array_equal(got, 4 * x[dist.get_rank() * 1024 : (dist.get_rank() + 1) * 1024])
+
+
+@pytest.mark.world_size(4)
+def test_calls_in_flight_together_never_share_a_scratch_buffer(monkeypatch):
+    monkeypatch.setenv("TINYTRAIN_DEBUG", "0")  # a call's first step (which borrows) is then posted at once
+    live, most = set(), [0]  # ids of buffers lent and not yet given back; the most at once
+    real_scratch, real_give_back = work.Call.scratch, work._give_back
+
+    def scratch(self, count, like):
+        buf = real_scratch(self, count, like)
+        assert id(buf) not in live, "a buffer still lent to a call in flight was lent again"
+        live.add(id(buf))
+        most[0] = max(most[0], len(live))
+        return buf
+
+    def give_back(borrowed):
+        live.difference_update(id(b) for _, b in borrowed)
+        real_give_back(borrowed)
+
+    monkeypatch.setattr(work.Call, "scratch", scratch)
+    monkeypatch.setattr(work, "_give_back", give_back)
+    x = np.ones(4096, dtype=np.float32)
+    dist.reduce_scatter(x)  # the pool now holds two buffers of this size
+    if dist.get_rank() == 0:
+        time.sleep(0.05)  # no call can finish without rank 0, so elsewhere both are in flight at once
+    first = dist.reduce_scatter(x, async_op=True)
+    second = dist.reduce_scatter(2 * x, async_op=True)
+    np.testing.assert_array_equal(first.wait(), np.full(1024, 4, np.float32))
+    np.testing.assert_array_equal(second.wait(), np.full(1024, 8, np.float32))
+    if dist.get_rank() != 0:
+        assert most[0] == 4, f"both calls should have held two buffers each at once, at most {most[0]} were lent"
+    assert not live
+
+
+@pytest.mark.world_size(4)
+def test_a_failed_call_does_not_give_its_buffers_back(monkeypatch):
+    monkeypatch.setenv("TINYTRAIN_DEBUG", "0")
+    monkeypatch.setenv("TINYTRAIN_TIMEOUT", "1")
+    x = np.ones(4096, dtype=np.float32)
+    if dist.get_rank() == 3:
+        return  # never joins: every other rank times out in the reduce-scatter
+    handle = dist.reduce_scatter(x, async_op=True)
+    lent = {id(b) for _, b in handle._call.borrowed}
+    with pytest.raises(dist.CommTimeout):
+        handle.wait()
+    assert lent and not lent & _pooled_ids(), "a receive of the abandoned call may still write into them"
+
+
+@pytest.mark.world_size(4)
+def test_the_pool_keeps_a_bounded_number_of_sizes():
+    for length in range(4, 4 * (work._SCRATCH_KEYS + 6), 4):
+        dist.reduce_scatter(np.ones(length, dtype=np.float32))
+    assert len(work._scratch) <= work._SCRATCH_KEYS
+    assert all(len(free) <= work._SCRATCH_PER_KEY for free in work._scratch.values())
+
+
+@pytest.mark.world_size(4)
+def test_reduce_scatter_reads_its_input_in_place_without_a_copy():
+    """The old reduce-scatter copied the whole input first (the ring reduced in place). Now only the
+    two chunk-sized scratch buffers are new, and they come from the pool after the first call."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    x = np.random.default_rng(r).standard_normal(1 << 20).astype(np.float32)  # 4 MiB
+    keep = x.copy()
+    out = np.empty(x.size // n, dtype=np.float32)
+    dist.reduce_scatter(x, out=out)  # warm up the pool
+    tracemalloc.start()
+    try:
+        dist.reduce_scatter(x, out=out)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < x.nbytes // 8, f"reduce_scatter allocated {peak} bytes at its peak for a {x.nbytes}-byte input"
+    np.testing.assert_array_equal(x, keep)  # the caller's buffer is left as it was
+    total = x.copy()
+    dist.all_reduce(total)
+    np.testing.assert_allclose(out, total[r * out.size : (r + 1) * out.size], rtol=1e-5, atol=1e-5)
