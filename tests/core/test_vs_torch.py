@@ -42,7 +42,7 @@ def test_gpt_logits_loss_and_gradients_match_torch(cfg):
     model = GPT(config, seed=int(rng.integers(1 << 30)))
     # bigger than the init so LayerNorm gains, biases and attention patterns are not trivial
     for _, p in model.named_parameters():
-        p.data[...] = xp.asarray((p.data + 0.1 * rng.standard_normal(p.shape)).astype(numpy.float32))
+        p.data[...] = xp.asarray((to_host(p.data) + 0.1 * rng.standard_normal(p.shape)).astype(numpy.float32))
     tm = torch_gpt(model, torch)
     B, T = 3, config.block_size
     ids = rng.integers(0, config.vocab_size, size=(B, T))
