@@ -90,3 +90,35 @@ def test_default_rng_is_seeded():
     c = to_host(backend.default_rng((3, 8)).random(5))
     numpy.testing.assert_array_equal(a, b)
     assert not numpy.array_equal(a, c)
+
+
+_REFILL = """
+import resource, sys
+import numpy as np
+import tinytrain.backend as b
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+a = np.ones(1 << 21, np.float32)  # 8 MiB, then freed
+del a
+before = faults()
+a = np.ones(1 << 21, np.float32)  # the next step's array of the same size
+print(b.host_memory_kept, faults() - before)
+"""
+
+
+@pytest.mark.parametrize("keep", ["1", "0"])
+def test_freed_host_memory_is_reused_without_page_faults(keep):
+    """A step's big arrays come back every step: with tinytrain's malloc settings the second 8 MiB
+    array reuses the first one's pages (no page faults); with TINYTRAIN_KEEP_FREED_MEMORY=0 (glibc's
+    defaults) it is mapped afresh: hundreds of faults (the kernel maps a few pages per fault)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's malloc settings: Linux only")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["TINYTRAIN_KEEP_FREED_MEMORY"] = keep
+    r = subprocess.run([sys.executable, "-c", _REFILL], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    kept, faults = r.stdout.split()
+    if keep == "1":
+        assert kept == "True" and int(faults) < 50, r.stdout
+    else:
+        assert kept == "False" and int(faults) > 100, r.stdout
