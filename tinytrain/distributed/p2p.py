@@ -135,12 +135,7 @@ class Exchange:
             backend.synchronize()  # the kernel writing buf must finish before MPI reads it
             # A host copy (kept alive by the request below), or the device memory itself.
             buf = backend.device_buffer(buf) if cuda_aware() else backend.to_host(buf)
-        try:
-            req = self.group.comm.Isend([buf, MPI.BYTE], peer, tag)
-        except MPI.Exception as exc:
-            raise self._mpi_error(exc, "send to", peer, buf) from exc
-        world_peer = self.group.world_ranks[peer]
-        self._add(req, "send to", world_peer, None)
+        world_peer = self._post(self.group.comm.Isend, buf, peer, tag, "send to", None)
         stats.count_send(self.group.name, self.op, buf.nbytes, world_peer)
         self.nbytes += buf.nbytes
 
@@ -155,19 +150,21 @@ class Exchange:
                 self.after.append(lambda: buf.__setitem__(Ellipsis, backend.asarray(target)))
         # As bytes on both sides: a message of another dtype is then only a byte count to compare (below)
         # and never reaches MPI's typed unpacking, which asserts and can abort before we can say why.
-        try:
-            req = self.group.comm.Irecv([target, MPI.BYTE], peer, tag)
-        except MPI.Exception as exc:
-            raise self._mpi_error(exc, "recv from", peer, buf) from exc
-        world_peer = self.group.world_ranks[peer]
-        self._add(req, "recv from", world_peer, buf)
+        world_peer = self._post(self.group.comm.Irecv, target, peer, tag, "recv from", buf)
         stats.count_recv(self.group.name, self.op, buf.nbytes, world_peer)
 
-    def _add(self, req, label: str, world_peer: int, expect) -> None:
+    def _post(self, start, buf, peer: int, tag: int, label: str, expect) -> int:
+        """Post ``start`` (the comm's ``Isend`` or ``Irecv``) of ``buf`` as bytes; the peer's world rank."""
+        try:
+            req = start([buf, MPI.BYTE], peer, tag)
+        except MPI.Exception as exc:
+            raise self._mpi_error(exc, label, peer, buf) from exc
+        world_peer = self.group.world_ranks[peer]
         self.reqs.append(req)
         self.labels.append((label, world_peer))
         self.expect.append(expect)
         self.left += 1
+        return world_peer
 
     def test(self) -> bool:
         """Poll MPI; True (and staged data copied back) once every message has completed."""
