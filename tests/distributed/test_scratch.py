@@ -3,7 +3,9 @@ temporaries, no copy of the reduce-scatter's input).
 
 ``Call.scratch`` lends an algorithm a buffer for its partial results; a call that succeeds gives it
 back and the next call of that size reuses it. A call that fails does not: a receive of the abandoned
-call may still land in it. Two calls in flight at once never share one.
+call may still land in it. Two calls in flight at once never share one. The pool is exercised with
+the recursive-doubling all-reduce (one buffer per call), which a student release keeps; the ring
+reduce-scatter (two buffers) is an assignment there.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from grader.config import is_release
 from tinytrain import distributed as dist
 from tinytrain.distributed import work
+
+RD = "recursive_doubling"
 
 
 def _pooled_ids() -> set[int]:
@@ -23,11 +28,11 @@ def _pooled_ids() -> set[int]:
 
 
 @pytest.mark.world_size(4)
-def test_a_second_call_reuses_the_first_ones_scratch_buffers(monkeypatch):
+def test_a_second_call_reuses_the_first_ones_scratch_buffer(monkeypatch):
     x = np.arange(4096, dtype=np.float32)
-    dist.reduce_scatter(x)
+    dist.all_reduce(x.copy(), algo=RD)
     lent = _pooled_ids()
-    assert len(lent) == 2, "the ring reduce-scatter borrows two chunk buffers and gives them back"
+    assert len(lent) == 1, "recursive doubling borrows one buffer of the message's size and gives it back"
     borrowed = []
     real = work.Call.scratch
 
@@ -37,9 +42,9 @@ def test_a_second_call_reuses_the_first_ones_scratch_buffers(monkeypatch):
         return buf
 
     monkeypatch.setattr(work.Call, "scratch", spy)
-    got = dist.reduce_scatter(x)
-    assert set(borrowed) == lent, "the second call must take the pooled buffers, not allocate new ones"
-    np.testing.assert_array_equal(got, 4 * x[dist.get_rank() * 1024 : (dist.get_rank() + 1) * 1024])
+    got = dist.all_reduce(x.copy(), algo=RD)
+    assert set(borrowed) == lent, "the second call must take the pooled buffer, not allocate a new one"
+    np.testing.assert_array_equal(got, 4 * x)
 
 
 @pytest.mark.world_size(4)
@@ -62,15 +67,15 @@ def test_calls_in_flight_together_never_share_a_scratch_buffer(monkeypatch):
     monkeypatch.setattr(work.Call, "scratch", scratch)
     monkeypatch.setattr(work, "_give_back", give_back)
     x = np.ones(4096, dtype=np.float32)
-    dist.reduce_scatter(x)  # the pool now holds two buffers of this size
+    dist.all_reduce(x.copy(), algo=RD)  # the pool now holds a buffer of this size
     if dist.get_rank() == 0:
         time.sleep(0.05)  # no call can finish without rank 0, so elsewhere both are in flight at once
-    first = dist.reduce_scatter(x, async_op=True)
-    second = dist.reduce_scatter(2 * x, async_op=True)
-    np.testing.assert_array_equal(first.wait(), np.full(1024, 4, np.float32))
-    np.testing.assert_array_equal(second.wait(), np.full(1024, 8, np.float32))
+    first = dist.all_reduce(x.copy(), algo=RD, async_op=True)
+    second = dist.all_reduce(2 * x, algo=RD, async_op=True)
+    np.testing.assert_array_equal(first.wait(), np.full(4096, 4, np.float32))
+    np.testing.assert_array_equal(second.wait(), np.full(4096, 8, np.float32))
     if dist.get_rank() != 0:
-        assert most[0] == 4, f"both calls should have held two buffers each at once, at most {most[0]} were lent"
+        assert most[0] == 2, f"both calls should have held a buffer each at once, at most {most[0]} were lent"
     assert not live
 
 
@@ -81,7 +86,7 @@ def test_a_failed_call_does_not_give_its_buffers_back(monkeypatch):
     x = np.ones(4096, dtype=np.float32)
     if dist.get_rank() == 3:
         return  # never joins: every other rank times out in the reduce-scatter
-    handle = dist.reduce_scatter(x, async_op=True)
+    handle = dist.all_reduce(x, algo=RD, async_op=True)
     lent = {id(b) for _, b in handle._call.borrowed}
     with pytest.raises(dist.CommTimeout):
         handle.wait()
@@ -91,12 +96,13 @@ def test_a_failed_call_does_not_give_its_buffers_back(monkeypatch):
 @pytest.mark.world_size(4)
 def test_the_pool_keeps_a_bounded_number_of_sizes():
     for length in range(4, 4 * (work._SCRATCH_KEYS + 6), 4):
-        dist.reduce_scatter(np.ones(length, dtype=np.float32))
+        dist.all_reduce(np.ones(length, dtype=np.float32), algo=RD)
     assert len(work._scratch) <= work._SCRATCH_KEYS
     assert all(len(free) <= work._SCRATCH_PER_KEY for free in work._scratch.values())
 
 
 @pytest.mark.world_size(4)
+@pytest.mark.skipif(is_release(), reason="the ring reduce-scatter is assignment task 1.1 here (its stand-in copies)")
 def test_reduce_scatter_reads_its_input_in_place_without_a_copy():
     """The old reduce-scatter copied the whole input first (the ring reduced in place). Now only the
     two chunk-sized scratch buffers are new, and they come from the pool after the first call."""

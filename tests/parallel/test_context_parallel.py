@@ -260,7 +260,8 @@ def attention_saved_bytes(fn, q, k, v):
 @SIZES
 @ALGOS
 def test_bytes_saved_for_backward_fall_as_one_over_n(n, algo):
-    """Serial attention saves q, k, v (4BTC each, float32) and the probabilities 4BHT². Per rank,
+    """Serial attention saves q, k, v (4BTC each, float32) and the probabilities 4BHT² (a context of up
+    to 64 positions, one attention block; longer causal ones save only each block's visible part). Per rank,
     ring saves q, k, v and its output at T/N positions (4·4B(T/N)C) and the log-sum-exp 4BH(T/N);
     all-to-all saves its H/N heads' q, k, v over T (3·4BTC/N) and probabilities 4B(H/N)T²."""
     H, D = 4, 3

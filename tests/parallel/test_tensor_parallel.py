@@ -240,7 +240,7 @@ def test_sequence_parallel_divides_the_replicated_activations_by_t(t):
     in the sequence regions R = 2 LayerNorms (x̂: 4BTC, 1/σ: 4BT) + 2 dropout masks (BTC),
     in the parallel regions S = q/k/v and fc_1 inputs (4BTC each, all-gathered or copied: whole)
         + q, k, v, attention output (4·4BTC/t) + probabilities (4B(h/t)T²)
-        + fc_1 output and its tanh (2·16BTC/t) + fc_2 input (16BTC/t).
+        + fc_1 output and its σ(2u) for GELU (2·16BTC/t) + fc_2 input (16BTC/t).
     TP keeps S + R on every rank, SP keeps S + R/t.
     """
     C, h = WIDTH, HEADS

@@ -60,7 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--steps", type=int, default=20, help="timed steps per framework and config")
     p.add_argument("--threads", type=int, default=None, help="threads for both (default: CPU count)")
-    p.add_argument("--block", type=int, default=5, help="steps per alternating run of one framework")
+    # One step per run: on a machine with bursts of other load, a burst then hits both frameworks
+    # alike (with runs of 5 steps, one burst could land on one side only and swing the ratio).
+    p.add_argument("--block", type=int, default=1, help="steps per alternating run of one framework")
     p.add_argument("--settle", type=float, default=0.3, help="seconds between runs (idle thread pools stop spinning)")
     p.add_argument("--json", default=None, help="write the rows to this file")
     p.add_argument(
