@@ -79,7 +79,7 @@ def test_gradients_in_pieces_pass_gradcheck(rng, three_threads):
 
 
 def test_thread_count_follows_omp_and_the_ranks_on_this_machine(monkeypatch):
-    monkeypatch.setattr(threads.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 8)  # 8 CPUs this process may use
     for name in ("OMP_NUM_THREADS", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
         monkeypatch.delenv(name, raising=False)
     assert threads.thread_count() == 8

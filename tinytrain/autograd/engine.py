@@ -234,7 +234,8 @@ class Function:
                 needs.append(False)
         record = any_needs and _GradMode.enabled
         ctx = Context(cls, tuple(inputs), tuple(needs))
-        seconds, start = _op_seconds[0], time.perf_counter()
+        seconds = _op_seconds[0]
+        start = time.perf_counter() if seconds is not None else 0.0  # the clock only while timing
         out = cls.forward(ctx, *arrays, **kwargs)
         if seconds is not None:
             _add_seconds(seconds, cls, "forward", start)
@@ -351,7 +352,8 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
             if g is None:
                 in_grads = (None,) * len(ctx.inputs)
             else:
-                seconds, start = _op_seconds[0], time.perf_counter()
+                seconds = _op_seconds[0]
+                start = time.perf_counter() if seconds is not None else 0.0
                 in_grads = ctx.fn.backward(ctx, g)
                 if seconds is not None:
                     _add_seconds(seconds, ctx.fn, "backward", start)

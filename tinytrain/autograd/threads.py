@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 
-from tinytrain.backend import xp
+from tinytrain.backend import launcher_ranks_here, usable_cores, xp
 
 MIN_PIECE = 1 << 16  # entries per thread below which one thread does it all
 
@@ -36,13 +36,7 @@ def thread_count() -> int:
     setting = os.environ.get("OMP_NUM_THREADS", "").strip()
     if setting.isdigit() and int(setting) > 0:
         return int(setting)
-    ranks_here = 1
-    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        value = os.environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            ranks_here = int(value)
-            break
-    return max(1, (os.cpu_count() or 1) // ranks_here)
+    return max(1, usable_cores() // launcher_ranks_here())
 
 
 THREADS = thread_count()

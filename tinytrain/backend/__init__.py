@@ -59,6 +59,24 @@ def _launcher_local_rank() -> int:
     return 0
 
 
+def launcher_ranks_here() -> int:
+    """How many ranks the MPI launcher started on this machine (MPICH: ``MPI_LOCALNRANKS``, Open
+    MPI: ``OMPI_COMM_WORLD_LOCAL_SIZE``), else 1."""
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the OS says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _load_cupy():
     """Import CuPy and prove a GPU answers; return the module or raise BackendError with a fix."""
     try:

@@ -197,8 +197,9 @@ class Collectives(AlgorithmSource):
             return out
 
         c = Call(g, "reduce_scatter", "ring")
-        sig = lambda: signature(tensor, same_shape=True, reduce=op, sizes=sizes, algo="ring")  # noqa: E731
-        return run(c, steps(), async_op, sig)
+        return run(
+            c, steps(), async_op, lambda: signature(tensor, same_shape=True, reduce=op, sizes=sizes, algo="ring")
+        )
 
     def all_to_all(
         self,

@@ -39,6 +39,8 @@ import os
 import threading
 import time
 
+from tinytrain import backend
+
 from ._mpi import MPI
 
 
@@ -78,13 +80,8 @@ def debug() -> bool:
 
 
 def _oversubscribed() -> bool:
-    """More ranks on this node than cores we may run on? (MPICH's mpirun sets MPI_LOCALNRANKS.)"""
-    local_ranks = int(os.environ.get("MPI_LOCALNRANKS", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")))
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return local_ranks > cores
+    """More ranks on this node than cores we may run on?"""
+    return backend.launcher_ranks_here() > backend.usable_cores()
 
 
 # The three phases of a wait. Spinning wins on a dedicated core: the reply to a small message
