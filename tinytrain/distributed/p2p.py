@@ -91,10 +91,6 @@ def cuda_aware_reason() -> tuple[bool, str]:
     return answer, f"MPIX_Query_cuda_support() says {'yes' if answer else 'no'}"
 
 
-def _is_device(arr) -> bool:
-    return backend.on_device and not isinstance(arr, numpy.ndarray)
-
-
 class CommError(watchdog.DistributedError):
     """MPI reported an error inside a step (e.g. "Message truncated"); the message says where."""
 
@@ -107,6 +103,19 @@ class MessageSizeMismatch(CommError, watchdog.CollectiveMismatch):
 check_receives = True
 
 
+def _get_status_all():
+    """MPI_Request_get_status_all (MPI 4.1, wrapped by mpi4py >= 4), or None where MPI lacks it."""
+    fn = getattr(MPI.Request, "Get_status_all", None)
+    try:
+        fn([])  # mpi4py has it, but does the MPI library?
+    except (TypeError, NotImplementedError):
+        return None
+    return fn
+
+
+_all_complete = _get_status_all()  # are all these requests complete? (see Exchange.test)
+
+
 # --- one step: some sends and receives that complete together -------------------------------------
 
 
@@ -117,21 +126,24 @@ class Exchange:
     error messages. ``what`` names the algorithm step ("ring all-gather step 2/3").
     """
 
-    __slots__ = ("group", "op", "what", "reqs", "left", "labels", "after", "start", "nbytes", "expect", "status")
+    __slots__ = ("group", "op", "what", "reqs", "posted", "checks", "after", "start", "nbytes", "statuses", "done")
 
     # Every collective step goes through here, so it is written for speed: a 1 KiB all-reduce on
-    # 4 ranks is two steps, and each microsecond of Python here is paid by every rank, every step.
+    # 4 ranks is two steps, and each microsecond of Python here is paid by every rank, every step
+    # (twice over when ranks share cores: the interpreter of the rank we wait for runs on ours).
     def __init__(self, group, op: str, what: str):
         self.group, self.op, self.what = group, op, what
-        self.reqs, self.labels, self.after = [], [], []
-        self.left = 0  # requests not yet completed
+        self.reqs = []  # MPI requests, in posting order
+        self.posted = []  # per request: (label, peer's world rank, the receive buffer or None for a send)
+        self.after = None  # device receives staged through the host: copies to run on completion
         self.start = trace.now() if trace.enabled else 0.0
-        self.nbytes = 0
-        self.expect = []  # per request: the receive buffer (checked on arrival), or None for a send
-        self.status = None  # one MPI.Status, reused by every receive of the step
+        self.nbytes = 0  # bytes sent
+        self.checks = []  # (request index, receive buffer): the receives whose byte counts are checked
+        self.statuses = None  # one MPI.Status per request once all completed (when receives are checked)
+        self.done = False
 
     def send(self, buf, peer: int, tag: int) -> None:
-        if _is_device(buf):
+        if backend.on_device and not isinstance(buf, numpy.ndarray):
             backend.synchronize()  # the kernel writing buf must finish before MPI reads it
             # A host copy (kept alive by the request below), or the device memory itself.
             buf = backend.device_buffer(buf) if cuda_aware() else backend.to_host(buf)
@@ -141,17 +153,22 @@ class Exchange:
 
     def recv(self, buf, peer: int, tag: int) -> None:
         target = buf
-        if _is_device(buf):
+        if backend.on_device and not isinstance(buf, numpy.ndarray):
             backend.synchronize()  # nothing may still be writing the buffer MPI is about to fill
             if cuda_aware():
                 target = backend.device_buffer(buf)
             else:
                 target = numpy.empty(buf.shape, dtype=buf.dtype)
+                if self.after is None:
+                    self.after = []
                 self.after.append(lambda: buf.__setitem__(Ellipsis, backend.asarray(target)))
         # As bytes on both sides: a message of another dtype is then only a byte count to compare (below)
         # and never reaches MPI's typed unpacking, which asserts and can abort before we can say why.
         world_peer = self._post(self.group.comm.Irecv, target, peer, tag, "recv from", buf)
         stats.count_recv(self.group.name, self.op, buf.nbytes, world_peer)
+        if check_receives:
+            self.checks.append((len(self.reqs) - 1, buf))
+            self.statuses = []  # filled by Waitall, one Status per request
 
     def _post(self, start, buf, peer: int, tag: int, label: str, expect) -> int:
         """Post ``start`` (the comm's ``Isend`` or ``Irecv``) of ``buf`` as bytes; the peer's world rank."""
@@ -161,26 +178,41 @@ class Exchange:
             raise self._mpi_error(exc, label, peer, buf) from exc
         world_peer = self.group.world_ranks[peer]
         self.reqs.append(req)
-        self.labels.append((label, world_peer))
-        self.expect.append(expect)
-        self.left += 1
+        self.posted.append((label, world_peer, expect))
         return world_peer
 
     def test(self) -> bool:
-        """Poll MPI; True (and staged data copied back) once every message has completed."""
-        if not self.left:
+        """Poll MPI; True once every message has completed, every receive carried the bytes it
+        expected, and staged data is copied back.
+
+        A poll asks whether *all* requests have completed, without freeing them or filling statuses
+        (``MPI_Request_get_status_all``): most polls find nothing, and every microsecond of a poll is
+        paid many times while ranks share cores. Once all have, ``Waitall`` returns at once and
+        fills the statuses that the byte-count check reads. (An MPI older than 4.1: ``Testall``.)"""
+        if self.done:
             return True
-        reqs = self.reqs
-        for i, req in enumerate(reqs):
-            if req is not None and self._test(i, req):
-                reqs[i] = None
-                self.left -= 1
-        if self.left:
-            return False
-        for fn in self.after:
-            fn()
-        self.after = []
-        if trace.enabled and self.labels:
+        statuses = self.statuses
+        try:
+            if _all_complete is None:
+                if not MPI.Request.Testall(self.reqs, statuses):
+                    return False
+            elif not _all_complete(self.reqs):
+                return False
+            else:
+                MPI.Request.Waitall(self.reqs, statuses)  # all have completed: frees them at once
+        except MPI.Exception as exc:
+            error = self._failed(exc)  # a size mismatch says all MPI said: no second traceback
+            raise error from (None if isinstance(error, MessageSizeMismatch) else exc)
+        self.done = True
+        for i, expect in self.checks:
+            got = statuses[i].Get_count(MPI.BYTE)
+            if got != expect.nbytes:
+                label, peer, _ = self.posted[i]
+                raise self._mismatch(label, peer, expect, got)
+        if self.after:
+            for fn in self.after:
+                fn()
+        if trace.enabled and self.posted:
             trace.record(
                 self.op,
                 "comm.step",
@@ -188,51 +220,40 @@ class Exchange:
                 trace.now(),
                 group=self.group.name,
                 step=self.what,
-                peer=[p for _, p in self.labels],
+                peer=[p for _, p, _ in self.posted],
                 bytes=self.nbytes,
             )
-        return True
-
-    def _test(self, i: int, req) -> bool:
-        """Has request ``i`` completed? A completed receive is checked against what it expected."""
-        expect = self.expect[i]
-        if expect is None or not check_receives:
-            status = None
-        else:
-            status = self.status
-            if status is None:
-                status = self.status = MPI.Status()
-        try:
-            if not req.Test(status):
-                return False
-        except MPI.Exception as exc:
-            error = self._failed(i, exc)  # a size mismatch says all MPI said: no second traceback
-            raise error from (None if isinstance(error, MessageSizeMismatch) else exc)
-        if status is not None and status.Get_count(MPI.BYTE) != expect.nbytes:
-            raise self._mismatch(i, status.Get_count(MPI.BYTE))
         return True
 
     def _where(self, label: str, peer_world: int) -> str:
         me = self.group.world_rank(self.group.rank)
         return f"{self.op} on {self.group.describe()}, {self.what}: rank {me} {label} rank {peer_world}{_caller()}"
 
-    def _mismatch(self, i: int, got: int) -> MessageSizeMismatch:
+    def _mismatch(self, label: str, peer: int, buf, got: int) -> MessageSizeMismatch:
         self.group.broken = f"MessageSizeMismatch in {self.op}"
-        label, peer = self.labels[i]
-        buf = self.expect[i]
         return MessageSizeMismatch(
             f"{self._where(label, peer)}: {got} bytes arrived, but this rank expected {buf.nbytes} bytes "
             f"({_describe(buf)}). Rank {peer} called {self.op} with a different size or dtype than this rank; "
             "every rank of the group must pass matching shapes and dtypes (TINYTRAIN_DEBUG=1 names both calls)."
         )
 
-    def _failed(self, i: int, exc) -> CommError:
-        label, peer = self.labels[i]
-        buf = self.expect[i]
-        reason = MPI.Get_error_string(exc.Get_error_class())  # one line ("Message truncated"), not MPICH's stack
+    def _failed(self, exc) -> CommError:
+        """The error of a step whose poll raised, naming the message that failed: testing the
+        requests one by one, the failing one raises again with its own error class (MPI's call on
+        the whole step only says "error in status")."""
+        index = 0
+        for i, req in enumerate(self.reqs):
+            try:
+                req.Test()
+            except MPI.Exception as own:
+                index, exc = i, own
+                break
+        failed = exc.Get_error_class()
+        label, peer, buf = self.posted[index]
+        reason = MPI.Get_error_string(failed)  # one line ("Message truncated"), not MPICH's stack
         if buf is None:
             error = CommError(f"{self._where(label, peer)}: MPI failed: {reason}")
-        elif exc.Get_error_class() == MPI.ERR_TRUNCATE:
+        elif failed == MPI.ERR_TRUNCATE:
             error = MessageSizeMismatch(
                 f"{self._where(label, peer)}: MPI failed: {reason}. Rank {peer} sent more than the {buf.nbytes} "
                 f"bytes this rank expected ({_describe(buf)}): it called {self.op} with a larger size or dtype; "
@@ -250,7 +271,10 @@ class Exchange:
         )
 
     def pending(self) -> list[tuple[str, int]]:
-        return [label for req, label in zip(self.reqs, self.labels) if req is not None]
+        """The messages not yet completed, as ``(label, peer world rank)`` (asked only for error messages)."""
+        if self.done:
+            return []
+        return [(label, peer) for req, (label, peer, _) in zip(self.reqs, self.posted) if not req.Get_status()]
 
 
 def _describe(buf) -> str:

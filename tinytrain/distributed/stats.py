@@ -24,38 +24,47 @@ carries each rank's per-peer counters (a ``"comm counters"`` record, see ``peer_
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 
-# (group name, op name) -> [bytes sent, bytes received, messages sent, messages received]
-_counters: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
-# (group name, op name, peer's world rank) -> [bytes sent to it, bytes received from it]
-_by_peer: dict[tuple[str, str, int], list[int]] = defaultdict(lambda: [0, 0])
+# (group name, op name, peer's world rank) -> [bytes sent to it, bytes received from it,
+# messages sent to it, messages received from it]. One row per peer is all a message touches; the
+# per-(group, op) totals are summed from these rows when asked for.
+_by_peer: dict[tuple[str, str, int], list[int]] = {}
+
+
+def _row(group: str, op: str, peer: int) -> list[int]:
+    row = _by_peer.get((group, op, peer))
+    if row is None:
+        row = _by_peer[(group, op, peer)] = [0, 0, 0, 0]
+    return row
 
 
 def count_send(group: str, op: str, nbytes: int, peer: int) -> None:
     """Count one posted send of ``nbytes`` bytes to world rank ``peer``."""
-    row = _counters[(group, op)]
+    row = _row(group, op, peer)
     row[0] += nbytes
     row[2] += 1
-    _by_peer[(group, op, peer)][0] += nbytes
 
 
 def count_recv(group: str, op: str, nbytes: int, peer: int) -> None:
     """Count one posted receive of ``nbytes`` bytes from world rank ``peer``."""
-    row = _counters[(group, op)]
+    row = _row(group, op, peer)
     row[1] += nbytes
     row[3] += 1
-    _by_peer[(group, op, peer)][1] += nbytes
 
 
 def snapshot() -> dict[tuple[str, str], tuple[int, int, int, int]]:
-    """A copy of all counters."""
-    return {key: tuple(row) for key, row in _counters.items()}
+    """Totals per (group, op): (bytes sent, bytes received, messages sent, messages received)."""
+    rows: dict[tuple[str, str], list[int]] = {}
+    for (group, op, _), counts in _by_peer.items():
+        row = rows.setdefault((group, op), [0, 0, 0, 0])
+        for i, n in enumerate(counts):
+            row[i] += n
+    return {key: tuple(row) for key, row in rows.items()}
 
 
 def peer_snapshot() -> dict[tuple[str, str, int], tuple[int, int]]:
     """A copy of the per-peer counters: (group, op, peer world rank) -> (bytes sent, bytes received)."""
-    return {key: tuple(row) for key, row in _by_peer.items()}
+    return {key: (row[0], row[1]) for key, row in _by_peer.items()}
 
 
 def peer_records(peers: dict | None = None) -> list[list]:

@@ -122,31 +122,11 @@ class Work:
             try:
                 step = self._gen.send(None)
             except StopIteration as stop:
-                self._finish(stop.value)
+                self._done, self._result = True, stop.value
+                _pending.discard(self)
+                _finish(self._call)
                 return True
         return False
-
-    def _finish(self, result) -> None:
-        self._done, self._result = True, result
-        self._call.step = None
-        _pending.discard(self)
-        if self._call.borrowed:
-            _give_back(self._call.borrowed)
-            self._call.borrowed = []
-        if trace.enabled:
-            c = self._call
-            trace.record(
-                c.op,
-                "comm",
-                c.start,
-                trace.now(),
-                group=c.group.name,
-                algo=c.algo,
-                seq=c.seq,
-                peer=sorted(c.group.world_rank(p) for p in c.peers),
-                bytes=c.bytes_sent,
-                bytes_recv=c.bytes_recv,
-            )
 
     def test(self) -> bool:
         """Advance the algorithm if its current step completed; True once it is finished."""
@@ -178,6 +158,27 @@ class Work:
         return self._result
 
 
+def _finish(c: Call) -> None:
+    """A call has finished: give its scratch buffers back, record its trace span."""
+    c.step = None
+    if c.borrowed:
+        _give_back(c.borrowed)
+        c.borrowed = []
+    if trace.enabled:
+        trace.record(
+            c.op,
+            "comm",
+            c.start,
+            trace.now(),
+            group=c.group.name,
+            algo=c.algo,
+            seq=c.seq,
+            peer=sorted(c.group.world_rank(p) for p in c.peers),
+            bytes=c.bytes_sent,
+            bytes_recv=c.bytes_recv,
+        )
+
+
 def run(call: Call, body, async_op: bool, signature):
     """Start ``body`` (a generator) behind the debug signature check; wait unless async.
 
@@ -185,12 +186,42 @@ def run(call: Call, body, async_op: bool, signature):
     called in debug mode (building it costs more than a small collective's own work)."""
     __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
     gen = _checked(call, signature(), body) if watchdog.debug() else body
+    if not async_op:
+        return _drive(call, gen)
     work = Work(call, gen)
-    if async_op:
-        if not work._done:
-            _pending.add(work)
-        return work
-    return work.wait()
+    if not work._done:
+        _pending.add(work)
+    return work
+
+
+def _drive(c: Call, gen):
+    """Run a blocking call to its end: post a step, wait for it, post the next, ...
+
+    What ``Work(...).wait()`` does, without the handle: most small collectives are nothing but this
+    loop, so it holds the lock only while it touches MPI (the progress thread, if one runs,
+    advances other calls meanwhile) and polls the step itself."""
+    __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
+    try:
+        while True:
+            with _lock:
+                step = gen.send(None)  # runs the algorithm on to its next step, which it posts
+                if step.test():
+                    continue
+            watchdog.wait_until(_locked(step.test) if _thread is not None else step.test, c.describe, step.pending)
+    except StopIteration as stop:
+        _finish(c)
+        return stop.value
+    except (watchdog.CommTimeout, watchdog.PeerFailure) as exc:
+        c.group.broken = f"{type(exc).__name__} in {c.op} #{c.seq}"
+        raise
+
+
+def _locked(test):
+    def locked_test() -> bool:
+        with _lock:
+            return test()
+
+    return locked_test
 
 
 # --- progress: polling pending async handles ------------------------------------------------------
