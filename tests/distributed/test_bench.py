@@ -126,3 +126,58 @@ def test_a_baseline_launch_that_dies_fails_every_rank_in_one_message(tmp_path, m
     monkeypatch.setattr(bench, "_mpirun", lambda: shutil.which("false"))  # exits at once, replies nothing
     with pytest.raises(RuntimeError, match=r"baseline launch failed: RuntimeError: the worker exited \(code 1\)"):
         _run(tmp_path, "--sizes", "1K", "--collectives", "all_reduce")
+
+
+@pytest.mark.world_size(4)
+def test_the_floor_loops_compute_what_mpi_computes():
+    """bench/floor.py's bare loops (the --floor column) are the same algorithms: same results as MPI's own."""
+    import numpy as np
+
+    from tinytrain.bench import floor
+    from tinytrain.distributed._mpi import MPI
+
+    comm = dist.init().comm
+    r, n = comm.Get_rank(), comm.Get_size()
+    rng = np.random.default_rng(100 + r)
+    for count in (8, 1001):
+        x = rng.standard_normal(count).astype(np.float32)
+        expect = np.empty_like(x)
+        comm.Allreduce(x, expect, op=MPI.SUM)
+        got = x.copy()
+        floor.all_reduce_recursive_doubling(comm, got, np.empty_like(x))
+        np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-5)
+
+        uneven = rng.standard_normal(count * n + 3).astype(np.float32)  # chunks of unequal length
+        reduced = np.empty_like(uneven)
+        comm.Allreduce(uneven, reduced, op=MPI.SUM)
+        mine = np.array_split(reduced, n)[r]
+        out = np.empty_like(mine)
+        floor.ring_reduce_scatter(comm, uneven, out, [np.empty(uneven.size // n + 1, np.float32) for _ in range(2)])
+        np.testing.assert_allclose(out, mine, rtol=1e-5, atol=1e-5)
+
+        gathered = np.empty(count * n, np.float32)
+        floor.ring_all_gather(comm, x, gathered)
+        np.testing.assert_array_equal(gathered, np.concatenate(comm.allgather(x)))
+
+        whole = rng.standard_normal(count * n).astype(np.float32)
+        swapped = np.empty_like(whole)
+        floor.pairwise_all_to_all(comm, whole, swapped)
+        expect_a2a = np.empty_like(whole)
+        comm.Alltoall(whole, expect_a2a)
+        np.testing.assert_array_equal(swapped, expect_a2a)
+
+        sent = comm.bcast(x if r == 0 else None, root=0)
+        got = x.copy()
+        floor.binomial_broadcast(comm, got)
+        np.testing.assert_array_equal(got, sent)
+
+
+@pytest.mark.world_size(4)
+def test_the_floor_column_is_the_bare_algorithm_against_the_same_baseline(tmp_path, capsys):
+    rows = _run(tmp_path, "--sizes", "1K", "--collectives", "all_reduce", "all_gather", "--mpi", "here", "--floor")
+    if rows is None:
+        return
+    for row in rows:
+        assert row["floor_time_us"] > 0
+        assert row["floor_ratio"] == pytest.approx(row["mpi_time_us"] / row["floor_time_us"])
+    assert "floor ratio" in capsys.readouterr().out

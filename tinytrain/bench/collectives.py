@@ -34,6 +34,9 @@ For every collective and message size the implementations run interleaved (ours,
 ``--receive-check`` also times ours with the per-receive byte-count check switched off (interleaved
 with the rest) and prints what the check costs, in percent of our time (``check %``; about 0 is the
 goal: the check is one ``MPI_Get_count`` per message).
+``--floor`` also times each algorithm as a bare mpi4py loop (``bench/floor.py``: post, poll with
+``sched_yield``, combine; nothing else) and prints its time and its ratio to MPI: the best a Python
+implementation of that algorithm reached here, so ours can be read against what is possible.
 ``--overlap`` instead measures how much of an async all_reduce hides behind computation.
 ``--impl assignments`` benches a student's ``assignments/a1_collectives.py`` instead of tinytrain's
 own collectives (collectives still at TODO are listed and left out).
@@ -91,6 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device",
         action="store_true",
         help="our buffers on the device (TINYTRAIN_DEVICE=gpu or strict); MPI's own on the device if CUDA-aware",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time each algorithm as a bare mpi4py loop (no checks, accounting or deadlines)",
     )
     parser.add_argument(
         "--receive-check",
@@ -278,18 +286,36 @@ def _receive_check_ns(rounds: int = 15, messages: int = 2000) -> tuple[float, fl
 
 
 def _measure(
-    name, size, n, comm, algo, rounds, dist=None, receive_check=False, on_device=False, mpi="here", baseline=None
+    name,
+    size,
+    n,
+    comm,
+    algo,
+    rounds,
+    dist=None,
+    receive_check=False,
+    on_device=False,
+    mpi="here",
+    baseline=None,
+    floor_algo=None,
 ):
     """Best seconds per call of each side, by key: ``ours``; ``mpi_here`` (MPI in this launch, under
     its settings; ``--mpi here`` or ``both``); ``mpi_default`` (MPI as it comes, in the
     ``baseline`` launch; ``--mpi default`` or ``both``); ``unchecked`` (ours without the receive
-    check, ``receive_check`` only). Rounds alternate over all of them; the best of each is kept."""
+    check, ``receive_check`` only); ``floor`` (algorithm ``floor_algo`` as a bare mpi4py loop, where
+    ``bench/floor.py`` has it). Rounds alternate over all of them; the best of each is kept."""
     ours, mpi_here = _setups(name, size, n, comm, algo, dist, on_device)
     here = {"ours": ours}
     if mpi in ("here", "both"):
         here["mpi_here"] = mpi_here
     if receive_check:
         here["unchecked"] = _unchecked(ours)
+    if floor_algo is not None and not on_device:
+        from . import floor
+
+        bare = floor.setup(name, floor_algo, *_counts(size, n), comm)
+        if bare is not None:
+            here["floor"] = bare
     for fn in here.values():
         fn()  # warm up: first-touch pages, MPI connection setup
     iters = max(2, min(100, (32 << 20) // max(size, 1)))
@@ -521,9 +547,12 @@ def _header(args, n: int, mpi: str, baseline) -> None:
         f"# {'collective':<15}{'algo':<20}{'size':>7}{'time us':>11}{'algbw GB/s':>12}"
         f"{'busbw GB/s':>12}{'MPI busbw':>11}{'ratio':>7}"
         + (f"{'MPI here':>9}{'ratio here':>11}" if mpi == "both" else "")
-        + (f"{'check %':>9}" if getattr(args, "receive_check", False) else ""),
+        + (f"{'check %':>9}" if getattr(args, "receive_check", False) else "")
+        + (f"{'floor us':>10}{'floor ratio':>12}" if getattr(args, "floor", False) else ""),
         flush=True,
     )
+    if getattr(args, "floor", False):
+        print(f"# floor = the same algorithm as a bare mpi4py loop; floor ratio = its busbw / busbw of {against}")
 
 
 def _bench(args, comm, mpi: str, baseline) -> list:
@@ -533,20 +562,13 @@ def _bench(args, comm, mpi: str, baseline) -> list:
     n, rank = comm.Get_size(), comm.Get_rank()
     sizes = [_parse_size(s) for s in args.sizes] if args.sizes else [1 << k for k in range(10, 27, 2)]
     receive_check, on_device = getattr(args, "receive_check", False), getattr(args, "device", False)
+    floor = getattr(args, "floor", False)
     if rank == 0:
         _header(args, n, mpi, baseline)
     impl = _implementation(getattr(args, "impl", "reference"))
     rows = []
     for name in args.collectives:
         for size in sizes:
-            try:
-                best = _measure(
-                    name, size, n, comm, args.algo, args.rounds, impl, receive_check, on_device, mpi, baseline
-                )
-            except NotImplementedError as todo:  # every rank runs the same stub, so all skip it
-                if rank == 0:
-                    print(f"  {name:<15}not benched: {todo}", flush=True)
-                break
             algo = {
                 "all_reduce": args.algo or choose_all_reduce_algo(max(1, size // 4) * 4),
                 "all_gather": "ring",
@@ -554,10 +576,29 @@ def _bench(args, comm, mpi: str, baseline) -> list:
                 "all_to_all": "pairwise",
                 "broadcast": "tree",
             }[name]
+            try:
+                best = _measure(
+                    name,
+                    size,
+                    n,
+                    comm,
+                    args.algo,
+                    args.rounds,
+                    impl,
+                    receive_check,
+                    on_device,
+                    mpi,
+                    baseline,
+                    algo if floor else None,
+                )
+            except NotImplementedError as todo:  # every rank runs the same stub, so all skip it
+                if rank == 0:
+                    print(f"  {name:<15}not benched: {todo}", flush=True)
+                break
             row = _row(name, algo, size, n, best, mpi)
             rows.append(row)
             if rank == 0:
-                _print_row(row, mpi, receive_check)
+                _print_row(row, mpi, receive_check, floor)
     if receive_check and rank == 0:
         extra, exchange = _receive_check_ns()
         print(
@@ -595,10 +636,13 @@ def _row(name: str, algo: str, size: int, n: int, best: dict, mpi: str) -> dict:
     if "unchecked" in best:
         row["time_unchecked_us"] = best["unchecked"] * 1e6
         row["receive_check_pct"] = 100 * (ours / best["unchecked"] - 1)
+    if "floor" in best:
+        row["floor_time_us"] = best["floor"] * 1e6
+        row["floor_ratio"] = baseline / best["floor"]
     return row
 
 
-def _print_row(row: dict, mpi: str, receive_check: bool) -> None:
+def _print_row(row: dict, mpi: str, receive_check: bool, floor: bool = False) -> None:
     line = (
         f"  {row['collective']:<15}{row['algo']:<20}{_fmt_size(row['size_bytes']):>7}{row['time_us']:>11.1f}"
         f"{row['algbw_gbps']:>12.3f}{row['busbw_gbps']:>12.3f}{row['mpi_busbw_gbps']:>11.3f}{row['ratio']:>7.2f}"
@@ -607,6 +651,12 @@ def _print_row(row: dict, mpi: str, receive_check: bool) -> None:
         line += f"{row['mpi_here_busbw_gbps']:>9.3f}{row['ratio_here']:>11.2f}"
     if receive_check:
         line += f"{row['receive_check_pct']:>9.1f}"
+    if floor:
+        line += (
+            f"{row['floor_time_us']:>10.1f}{row['floor_ratio']:>12.2f}"
+            if "floor_time_us" in row
+            else f"{'-':>10}{'-':>12}"
+        )
     print(line, flush=True)
 
 

@@ -4,8 +4,10 @@ How a collective is written (see ``algorithms.py``): a generator that ``yield``s
 :class:`~p2p.Exchange` per step and ``return``s the result. The generator never waits; whoever
 drives it does:
 
-* :func:`run` starts it (behind the debug-mode signature check) and, unless ``async_op``, waits;
-* ``Work.test()`` / ``Work.wait()`` advance it whenever the step in flight has completed;
+* :func:`run` starts it (behind the debug-mode signature check); a blocking call is then driven to
+  its end right there (post a step, wait for it, post the next: ``_drive``);
+* an ``async_op`` call returns a :class:`Work` handle: ``Work.test()`` / ``Work.wait()`` advance it
+  whenever the step in flight has completed;
 * :func:`progress_all` (call it between chunks of compute) or a helper thread started by
   :func:`start_progress_thread` advance every pending async handle. Without polling, only the
   first step's messages move.
