@@ -95,10 +95,20 @@ def test_a_failed_call_does_not_give_its_buffers_back(monkeypatch):
 
 @pytest.mark.world_size(4)
 def test_the_pool_keeps_a_bounded_number_of_sizes():
-    for length in range(4, 4 * (work._SCRATCH_KEYS + 6), 4):
+    smallest = work._SCRATCH_MIN_BYTES // 4  # float32 elements of the smallest pooled buffer
+    for length in range(smallest, smallest + 4 * (work._SCRATCH_KEYS + 6), 4):
         dist.all_reduce(np.ones(length, dtype=np.float32), algo=RD)
-    assert len(work._scratch) <= work._SCRATCH_KEYS
+    assert len(work._scratch) == work._SCRATCH_KEYS
     assert all(len(free) <= work._SCRATCH_PER_KEY for free in work._scratch.values())
+
+
+@pytest.mark.world_size(4)
+def test_small_buffers_are_not_pooled():
+    """Below _SCRATCH_MIN_BYTES a fresh buffer is cheaper than the pool's bookkeeping."""
+    work.forget_pending()
+    small = np.ones(work._SCRATCH_MIN_BYTES // 4 - 1, dtype=np.float32)
+    np.testing.assert_array_equal(dist.all_reduce(small.copy(), algo=RD), 4 * small)
+    assert not work._scratch
 
 
 @pytest.mark.world_size(4)
