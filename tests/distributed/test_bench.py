@@ -134,8 +134,11 @@ def test_the_floor_loops_compute_what_mpi_computes():
     import numpy as np
 
     from tinytrain.bench import floor
+    from tinytrain.distributed import work
     from tinytrain.distributed._mpi import MPI
 
+    # Its messages can never match ours: its tag lies between our collectives' tags and the debug signature's.
+    assert work._TAG_BASE + work._TAG_SPAN <= floor._TAG < work._SIG_TAG
     comm = dist.init().comm
     r, n = comm.Get_rank(), comm.Get_size()
     rng = np.random.default_rng(100 + r)

@@ -36,7 +36,9 @@ with the rest) and prints what the check costs, in percent of our time (``check 
 goal: the check is one ``MPI_Get_count`` per message).
 ``--floor`` also times each algorithm as a bare mpi4py loop (``bench/floor.py``: post, poll with
 ``sched_yield``, combine; nothing else) and prints its time and its ratio to MPI: the best a Python
-implementation of that algorithm reached here, so ours can be read against what is possible.
+implementation of that algorithm reached here, so ours can be read against what is possible. The
+loops add a third contender (and its buffers) to every round: on a 2-core machine we saw our 64 MiB
+rows slow by up to 1.5x in a full sweep with ``--floor``, so read ours against MPI in a run without it.
 ``--overlap`` instead measures how much of an async all_reduce hides behind computation.
 ``--impl assignments`` benches a student's ``assignments/a1_collectives.py`` instead of tinytrain's
 own collectives (collectives still at TODO are listed and left out).

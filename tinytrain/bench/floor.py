@@ -15,9 +15,12 @@ import os
 
 import numpy
 
+from tinytrain.distributed import work
 from tinytrain.distributed._mpi import MPI
 
-_TAG = 31000  # above every tag our collectives use: a floor run never matches their messages
+# Just above the tags our collectives use (work: 1024 + seq % 30000) and below the debug signature
+# tag (32000): a floor run never matches a message of ours.
+_TAG = work._TAG_BASE + work._TAG_SPAN
 
 
 def _step(comm, sends, recvs) -> None:
