@@ -46,7 +46,13 @@ def test_one_rank_on_float64_fails_in_words_and_the_others_hear_of_it(no_debug):
 
 
 @pytest.mark.world_size(2)
-def test_point_to_point_too_long_and_too_short(no_debug):
+@pytest.mark.parametrize("poll", ["get_status_all", "testall"])
+def test_point_to_point_too_long_and_too_short(no_debug, poll, monkeypatch):
+    """Both ways a step polls: MPI_Request_get_status_all, and Testall where MPI lacks it (< 4.1)."""
+    from tinytrain.distributed import p2p
+
+    if poll == "testall":
+        monkeypatch.setattr(p2p, "_all_complete", None)
     r = dist.get_rank()
     first, second = dist.new_group([0, 1], name="first"), dist.new_group([0, 1], name="second")
     if r == 0:

@@ -238,17 +238,21 @@ class Exchange:
         )
 
     def _failed(self, exc) -> CommError:
-        """The error of a step whose poll raised, naming the message that failed: testing the
-        requests one by one, the failing one raises again with its own error class (MPI's call on
-        the whole step only says "error in status")."""
-        index = 0
-        for i, req in enumerate(self.reqs):
-            try:
-                req.Test()
-            except MPI.Exception as own:
-                index, exc = i, own
-                break
-        failed = exc.Get_error_class()
+        """The error of a step whose poll raised, naming the message that failed. MPI's call on the
+        whole step only says "error in status": ``Testall`` marks the failing request's status;
+        after ``MPI_Request_get_status_all`` the requests are still alive, and testing them one by
+        one, the failing one raises again with its own error class."""
+        index, failed = 0, exc.Get_error_class()
+        marked = [i for i, s in enumerate(self.statuses or ()) if s.Get_error() not in (MPI.SUCCESS, MPI.ERR_PENDING)]
+        if marked:
+            index, failed = marked[0], MPI.Get_error_class(self.statuses[marked[0]].Get_error())
+        else:
+            for i, req in enumerate(self.reqs):
+                try:
+                    req.Test()
+                except MPI.Exception as own:
+                    index, failed = i, own.Get_error_class()
+                    break
         label, peer, buf = self.posted[index]
         reason = MPI.Get_error_string(failed)  # one line ("Message truncated"), not MPICH's stack
         if buf is None:
