@@ -68,12 +68,12 @@ class Collectives(AlgorithmSource):
         if algo == "ring" and self._cut_out("_all_reduce_ring", "_ring_reduce_scatter", "_ring_all_gather"):
             algo = "halving_doubling"  # student release: the ring is an assignment (see rooted.py)
         flat = tensor.reshape(-1)
-        body = {
-            "ring": self._alg("_all_reduce_ring") if algo == "ring" else None,
-            "recursive_doubling": doubling.all_reduce_recursive_doubling,
-            "halving_doubling": doubling.all_reduce_halving_doubling,
-            "naive": rooted.all_reduce_naive,
-        }[algo]
+        if algo == "recursive_doubling":
+            body = doubling.all_reduce_recursive_doubling
+        elif algo == "halving_doubling":
+            body = doubling.all_reduce_halving_doubling
+        else:
+            body = self._alg("_all_reduce_ring") if algo == "ring" else rooted.all_reduce_naive
 
         def steps():
             yield from body(c, flat, op)

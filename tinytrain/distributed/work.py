@@ -39,6 +39,11 @@ _SIG_TAG, _SIG_BYTES = 32000, 512  # debug-mode signature exchange
 class Call:
     """One collective call on one rank: group, name, tag, and the step now in flight."""
 
+    __slots__ = (
+        "group", "op", "algo", "rank", "size", "seq", "tag", "step", "start", "bytes_sent", "bytes_recv", "peers",
+        "borrowed",
+    )  # fmt: skip
+
     def __init__(self, group, op: str, algo: str):
         self.group, self.op, self.algo = group, op, algo
         self.rank, self.size = group.rank, group.size
@@ -204,14 +209,18 @@ def _drive(c: Call, gen):
     """Run a blocking call to its end: post a step, wait for it, post the next, ...
 
     What ``Work(...).wait()`` does, without the handle: most small collectives are nothing but this
-    loop, so it holds the lock only while it touches MPI (the progress thread, if one runs,
-    advances other calls meanwhile) and polls the step itself."""
+    loop. The lock is taken only while a progress thread runs (it advances other calls meanwhile),
+    and then only while this call touches MPI."""
     __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
     try:
         while True:
-            with _lock:
+            if _thread is None:  # no other thread drives calls: nothing to lock out
                 step = gen.send(None)  # runs the algorithm on to its next step, which it posts
-            watchdog.wait_until(_locked(step.test) if _thread is not None else step.test, c.describe, step.pending)
+                watchdog.wait_until(step.test, c.describe, step.pending)
+            else:
+                with _lock:
+                    step = gen.send(None)
+                watchdog.wait_until(_locked(step.test), c.describe, step.pending)
     except StopIteration as stop:
         _finish(c)
         return stop.value
