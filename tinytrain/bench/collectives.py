@@ -315,7 +315,7 @@ def _measure(
     if floor_algo is not None and not on_device:
         from . import floor
 
-        bare = floor.setup(name, floor_algo, *_counts(size, n), comm)
+        bare = floor.setup(name, floor_algo, *_counts(size, n), comm, _allocators(False)[0])
         if bare is not None:
             here["floor"] = bare
     for fn in here.values():

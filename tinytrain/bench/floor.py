@@ -17,6 +17,7 @@ import numpy
 
 from tinytrain.distributed import work
 from tinytrain.distributed._mpi import MPI
+from tinytrain.distributed.rooted import tree_children
 
 # Just above the tags our collectives use (work: 1024 + seq % 30000) and below the debug signature
 # tag (32000): a floor run never matches a message of ours.
@@ -82,29 +83,17 @@ def pairwise_all_to_all(comm, x, out) -> None:
 def binomial_broadcast(comm, flat) -> None:
     """Binomial tree from rank 0: receive from the parent, then send to children, farthest first."""
     r, n = comm.Get_rank(), comm.Get_size()
-    mask = 1
-    while mask < n:
-        if r & mask:
-            _step(comm, [], [(flat, r - mask)])
-            break
-        mask <<= 1
-    mask >>= 1
-    kids = []
-    while mask:
-        if r + mask < n:
-            kids.append((flat, r + mask))
-        mask >>= 1
+    if r:
+        _step(comm, [], [(flat, r - (r & -r))])
+    kids = tree_children(r, n)
     if kids:
-        _step(comm, kids, [])
+        _step(comm, [(flat, k) for k in reversed(kids)], [])
 
 
-def setup(name: str, algo: str, count: int, piece: int, comm):
-    """A zero-argument floor call for the bench's buffers, or None where there is no bare version."""
+def setup(name: str, algo: str, count: int, piece: int, comm, zeros):
+    """A zero-argument floor call on buffers from ``zeros`` (the bench's own sizes), or None where
+    there is no bare version."""
     n = comm.Get_size()
-
-    def zeros(k):
-        return numpy.zeros(k, dtype=numpy.float32)
-
     if name == "all_reduce" and algo == "recursive_doubling" and n & (n - 1) == 0:
         a, tmp = zeros(count), zeros(count)
         return lambda: all_reduce_recursive_doubling(comm, a, tmp)

@@ -168,7 +168,8 @@ class Exchange:
         stats.count_recv(self.group.name, self.op, buf.nbytes, world_peer)
         if check_receives:
             self.checks.append((len(self.reqs) - 1, buf))
-            self.statuses = []  # filled by Waitall, one Status per request
+            if self.statuses is None:
+                self.statuses = []  # filled by Waitall, one Status per request
 
     def _post(self, start, buf, peer: int, tag: int, label: str, expect) -> int:
         """Post ``start`` (the comm's ``Isend`` or ``Irecv``) of ``buf`` as bytes; the peer's world rank."""

@@ -91,6 +91,16 @@ class Call:
     def pending(self):
         return self.step.pending() if self.step is not None else []
 
+    def wait(self, done, pending, timeout: float | None = None) -> None:
+        """Poll ``done()`` until True (``watchdog.wait_until``); a timeout or a failed peer leaves
+        the group unusable, since this call's messages may still be in flight."""
+        __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
+        try:
+            watchdog.wait_until(done, self.describe, pending, timeout)
+        except (watchdog.CommTimeout, watchdog.PeerFailure) as exc:
+            self.group.broken = f"{type(exc).__name__} in {self.op} #{self.seq}"
+            raise
+
 
 # Scratch buffers of finished calls, by (array module, dtype, length), most recently used last. Only a
 # call that *succeeded* gives its buffers back: after a timeout a receive may still land in one.
@@ -158,12 +168,7 @@ class Work:
     def wait(self, timeout: float | None = None):
         """Drive the algorithm to the end (deadline: TINYTRAIN_TIMEOUT) and return its result."""
         __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
-        c = self._call
-        try:
-            watchdog.wait_until(self.test, c.describe, c.pending, timeout)
-        except (watchdog.CommTimeout, watchdog.PeerFailure) as exc:
-            c.group.broken = f"{type(exc).__name__} in {c.op} #{c.seq}"
-            raise
+        self._call.wait(self.test, self._call.pending, timeout)
         if self._error is not None:
             raise self._error
         return self._result
@@ -216,17 +221,14 @@ def _drive(c: Call, gen):
         while True:
             if _thread is None:  # no other thread drives calls: nothing to lock out
                 step = gen.send(None)  # runs the algorithm on to its next step, which it posts
-                watchdog.wait_until(step.test, c.describe, step.pending)
+                c.wait(step.test, step.pending)
             else:
                 with _lock:
                     step = gen.send(None)
-                watchdog.wait_until(_locked(step.test), c.describe, step.pending)
+                c.wait(_locked(step.test), step.pending)
     except StopIteration as stop:
         _finish(c)
         return stop.value
-    except (watchdog.CommTimeout, watchdog.PeerFailure) as exc:
-        c.group.broken = f"{type(exc).__name__} in {c.op} #{c.seq}"
-        raise
 
 
 def _locked(test):
