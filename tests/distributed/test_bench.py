@@ -1,5 +1,6 @@
 """`tinytrain bench collectives` runs under the harness and writes the documented JSON rows; its
-baseline is MPI as it comes, in a second mpirun launch without tinytrain's MPICH settings."""
+baseline is MPI as it comes: timed in this launch when it runs under MPI's own settings, else in a
+second mpirun launch without tinytrain's MPICH settings."""
 
 import argparse
 import json
@@ -108,6 +109,58 @@ def test_the_here_baseline_runs_in_this_launch_and_says_under_which_settings(tmp
         assert [r["mpi_settings"] for r in rows] == [f"this launch's: {bench.mpich_settings()}"]
 
 
+@pytest.mark.world_size(4)
+def test_the_default_baseline_is_timed_in_this_launch_when_it_runs_mpi_as_it_comes(tmp_path, capsys, monkeypatch):
+    """No throttle here: MPI as it comes is this launch, timed interleaved with ours (a second launch,
+    measured, gave MPI's own collectives lower figures, which flattered our ratios)."""
+    monkeypatch.setattr(bench, "BaselineLaunch", None)  # would fail if a second launch were started
+    assert bench.runs_as_it_comes()
+    rows = _run(tmp_path, "--sizes", "1K", "--collectives", "all_reduce")
+    if dist.get_rank() == 0:
+        printed = capsys.readouterr().out
+        assert (
+            f"# MPI as it comes: this launch, interleaved with ours (MPICH settings: {bench.mpich_settings()})"
+            in printed
+        )
+        assert "# ratio = our busbw / busbw of MPI as it comes (above 1: ours faster; below 1: MPI faster)" in printed
+        [row] = rows
+        assert row["mpi_settings"] == "as it comes" and row["mpi_time_us"] > 0
+        assert row["ratio"] == pytest.approx(row["busbw_gbps"] / row["mpi_busbw_gbps"])
+
+
+class _FakeLaunch:
+    """Stands in for the second launch: records that it was started and answers like the worker."""
+
+    started = []
+
+    def __init__(self, comm, on_device=False):
+        self.settings = "none (MPICH's own defaults)"
+        _FakeLaunch.started.append(comm.Get_rank())
+
+    def ask(self, request):
+        return {"seconds": 1e-3} if request["op"] == "time" else {}
+
+    def close(self):
+        pass
+
+
+@pytest.mark.world_size(4)
+def test_a_throttled_launch_times_mpi_as_it_comes_in_a_second_launch(tmp_path, capsys, monkeypatch):
+    for key, value in MPICH_THROTTLE.items():  # what MPI_Init read under TINYTRAIN_MPI_THROTTLE=1
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(bench, "BaselineLaunch", _FakeLaunch)
+    _FakeLaunch.started.clear()
+    assert not bench.runs_as_it_comes()
+    rows = _run(tmp_path, "--sizes", "1K", "--collectives", "broadcast")
+    assert _FakeLaunch.started == [dist.get_rank()]
+    if dist.get_rank() == 0:
+        printed = capsys.readouterr().out
+        assert "# MPI as it comes: a second mpirun -n 4 launch, MPICH settings: none (MPICH's own defaults)" in printed
+        assert "MPIR_CVAR_CH4_PROGRESS_THROTTLE=1" in printed  # ours: this launch's settings, said
+        [row] = rows
+        assert row["mpi_time_us"] == pytest.approx(1e3)  # the second launch's figure is the baseline
+
+
 def test_the_baseline_environment_drops_our_settings_and_this_launchs_wiring(monkeypatch):
     monkeypatch.setenv("PMI_RANK", "3")
     monkeypatch.setenv("HYDI_CONTROL_FD", "7")
@@ -125,7 +178,7 @@ def test_the_baseline_environment_drops_our_settings_and_this_launchs_wiring(mon
 def test_a_baseline_launch_that_dies_fails_every_rank_in_one_message(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "_mpirun", lambda: shutil.which("false"))  # exits at once, replies nothing
     with pytest.raises(RuntimeError, match=r"baseline launch failed: RuntimeError: the worker exited \(code 1\)"):
-        _run(tmp_path, "--sizes", "1K", "--collectives", "all_reduce")
+        _run(tmp_path, "--sizes", "1K", "--collectives", "all_reduce", "--mpi", "both")
 
 
 @pytest.mark.world_size(4)
