@@ -237,3 +237,18 @@ def test_the_floor_column_is_the_bare_algorithm_against_the_same_baseline(tmp_pa
         assert row["floor_time_us"] > 0
         assert row["floor_ratio"] == pytest.approx(row["mpi_time_us"] / row["floor_time_us"])
     assert "floor ratio" in capsys.readouterr().out
+
+
+def test_reduce_scatter_is_read_against_all_gather_for_ours_and_for_mpi():
+    """The printed bound of issue 18's item 3: reduce_scatter's busbw over all_gather's, both sides."""
+    size = 16 << 20
+    rows = [
+        bench._row("all_gather", "ring", size, 4, {"ours": 0.010, "mpi_default": 0.008}, "default"),
+        bench._row("reduce_scatter", "ring", size, 4, {"ours": 0.020, "mpi_default": 0.012}, "default"),
+        bench._row("reduce_scatter", "ring", 1 << 20, 4, {"ours": 0.002, "mpi_default": 0.001}, "default"),
+        {"receive_check_ns_per_message": 1.0, "exchange_ns": 2.0},  # not a collective row: skipped
+    ]
+    # busbw is size / time x the same factor for both collectives: the ratio is a ratio of times
+    assert bench.reduce_scatter_vs_all_gather(rows) == [
+        "# reduce_scatter / all_gather busbw at 16M: ours 0.50, MPI's 0.67"
+    ]

@@ -617,6 +617,9 @@ def _bench(args, comm, mpi: str, baseline) -> list:
             rows.append(row)
             if rank == 0:
                 _print_row(row, mpi, receive_check, floor)
+    if rank == 0:
+        for line in reduce_scatter_vs_all_gather(rows):
+            print(line, flush=True)
     if receive_check and rank == 0:
         extra, exchange = _receive_check_ns()
         print(
@@ -658,6 +661,21 @@ def _row(name: str, algo: str, size: int, n: int, best: dict, mpi: str) -> dict:
         row["floor_time_us"] = best["floor"] * 1e6
         row["floor_ratio"] = baseline / best["floor"]
     return row
+
+
+def reduce_scatter_vs_all_gather(rows: list) -> list[str]:
+    """For every size both were benched at, a line with reduce_scatter's busbw over all_gather's:
+    ours and MPI's. The ring reduce-scatter moves the all-gather's bytes plus a combine per chunk
+    (``algorithms.py`` says where the bytes go), so on cores that also copy the messages it stays
+    below 1; MPI's own pair, timed in the same run, shows how far below any implementation gets."""
+    found = {(r["collective"], r["size_bytes"]): r for r in rows if "collective" in r}
+    lines = []
+    for (name, size), rs in found.items():
+        ag = found.get(("all_gather", size))
+        if name == "reduce_scatter" and ag is not None:
+            ours, mpis = rs["busbw_gbps"] / ag["busbw_gbps"], rs["mpi_busbw_gbps"] / ag["mpi_busbw_gbps"]
+            lines.append(f"# reduce_scatter / all_gather busbw at {_fmt_size(size)}: ours {ours:.2f}, MPI's {mpis:.2f}")
+    return lines
 
 
 def _print_row(row: dict, mpi: str, receive_check: bool, floor: bool = False) -> None:
