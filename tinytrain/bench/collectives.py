@@ -667,7 +667,7 @@ def reduce_scatter_vs_all_gather(rows: list) -> list[str]:
     """For every size both were benched at, a line with reduce_scatter's busbw over all_gather's:
     ours and MPI's. The ring reduce-scatter moves the all-gather's bytes plus a combine per chunk
     (``algorithms.py`` says where the bytes go), so on cores that also copy the messages it stays
-    below 1; MPI's own pair, timed in the same run, shows how far below any implementation gets."""
+    below 1; MPI's own pair, timed in the same run, shows how far below it stays for MPI."""
     found = {(r["collective"], r["size_bytes"]): r for r in rows if "collective" in r}
     lines = []
     for (name, size), rs in found.items():
