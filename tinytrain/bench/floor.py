@@ -17,6 +17,7 @@ import numpy
 
 from tinytrain.distributed import work
 from tinytrain.distributed._mpi import MPI
+from tinytrain.distributed.chunks import chunk_bounds, split_counts
 from tinytrain.distributed.rooted import tree_children
 
 # Just above the tags our collectives use (work: 1024 + seq % 30000) and below the debug signature
@@ -33,8 +34,8 @@ def _step(comm, sends, recvs) -> None:
 
 
 def _pieces(flat, n: int) -> list:
-    """``flat`` cut in ``n`` nearly equal consecutive views (as ``chunks.split_counts`` cuts it)."""
-    return numpy.array_split(flat, n)
+    """``flat`` cut in ``n`` nearly equal consecutive views, where our algorithms cut it."""
+    return [flat[a:b] for a, b in chunk_bounds(split_counts(flat.size, n))]
 
 
 def all_reduce_recursive_doubling(comm, flat, tmp) -> None:

@@ -126,7 +126,7 @@ class Exchange:
     error messages. ``what`` names the algorithm step ("ring all-gather step 2/3").
     """
 
-    __slots__ = ("group", "op", "what", "reqs", "posted", "checks", "after", "start", "nbytes", "statuses", "done")
+    __slots__ = ("group", "op", "what", "reqs", "posted", "after", "start", "nbytes", "statuses", "done")
 
     # Every collective step goes through here, so it is written for speed: a 1 KiB all-reduce on
     # 4 ranks is two steps, and each microsecond of Python here is paid by every rank, every step
@@ -138,8 +138,7 @@ class Exchange:
         self.after = None  # device receives staged through the host: copies to run on completion
         self.start = trace.now() if trace.enabled else 0.0
         self.nbytes = 0  # bytes sent
-        self.checks = []  # (request index, receive buffer): the receives whose byte counts are checked
-        self.statuses = None  # one MPI.Status per request once all completed (when receives are checked)
+        self.statuses = None  # one MPI.Status per request once all completed (None: receives go unchecked)
         self.done = False
 
     def send(self, buf, peer: int, tag: int) -> None:
@@ -166,10 +165,8 @@ class Exchange:
         # and never reaches MPI's typed unpacking, which asserts and can abort before we can say why.
         world_peer = self._post(self.group.comm.Irecv, target, peer, tag, "recv from", buf)
         stats.count_recv(self.group.name, self.op, buf.nbytes, world_peer)
-        if check_receives:
-            self.checks.append((len(self.reqs) - 1, buf))
-            if self.statuses is None:
-                self.statuses = []  # filled by Waitall, one Status per request
+        if check_receives and self.statuses is None:
+            self.statuses = []  # filled by Waitall, one Status per request
 
     def _post(self, start, buf, peer: int, tag: int, label: str, expect) -> int:
         """Post ``start`` (the comm's ``Isend`` or ``Irecv``) of ``buf`` as bytes; the peer's world rank."""
@@ -205,11 +202,10 @@ class Exchange:
             error = self._failed(exc)  # a size mismatch says all MPI said: no second traceback
             raise error from (None if isinstance(error, MessageSizeMismatch) else exc)
         self.done = True
-        for i, expect in self.checks:
-            got = statuses[i].Get_count(MPI.BYTE)
-            if got != expect.nbytes:
-                label, peer, _ = self.posted[i]
-                raise self._mismatch(label, peer, expect, got)
+        if statuses is not None:  # every receive's byte count against the buffer it was posted with
+            for status, (label, peer, expect) in zip(statuses, self.posted):
+                if expect is not None and status.Get_count(MPI.BYTE) != expect.nbytes:
+                    raise self._mismatch(label, peer, expect, status.Get_count(MPI.BYTE))
         if self.after:
             for fn in self.after:
                 fn()
