@@ -7,6 +7,8 @@
     python -m grader stubs [--check]         # regenerate assignments/ from the reference markers
     python -m grader release OUT             # a solution-free copy of the repository for students
     python -m grader mutants [--ci]          # the mutation suite: planted bugs, catch rate per assignment
+    python -m grader hints [--level full]    # how much each stub's hint gives away (share of the solution's names)
+    python -m grader selfcheck [--suite]     # each task solved alone in a fresh student copy must score in full
 
 Grading exits 0 whenever it ran (a low score is not an error); 2 for a usage error.
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 from . import guard, report
 from .config import ROOT, is_release, load_rubric
 from .run import RunOptions, harness_deadline, run_tests
+from .stubs import HINT_LEVELS
 
 DEFAULT_OUT = ROOT / "out" / "grader"  # /out/ is in .gitignore: grading leaves the repository clean
 
@@ -61,13 +64,29 @@ def _parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds any single communication may wait (TINYTRAIN_TIMEOUT, default 10)",
     )
-    sub = p.add_subparsers(dest="command", metavar="{stubs,release}" if is_release() else "{stubs,release,mutants}")
+    sub = p.add_subparsers(
+        dest="command", metavar="{stubs,release}" if is_release() else "{stubs,release,mutants,hints,selfcheck}"
+    )
     s = sub.add_parser("stubs", help="regenerate assignments/ from the solution markers in the reference")
     s.add_argument("--check", action="store_true", help="only check: exit 1 with a diff when assignments/ is stale")
     r = sub.add_parser("release", help="write a solution-free copy of the repository for students")
     r.add_argument("out", metavar="OUT", help="folder to create (must not exist)")
+    r.add_argument(
+        "--hints",
+        choices=HINT_LEVELS,
+        default="brief",
+        help="what each stub's TODO says: brief (default) the intent, full the steps, none only the task",
+    )
     if is_release():  # the mutation suite plants bugs into the reference solutions: not in a copy
         return p
+    h = sub.add_parser("hints", help="how much each stub's hint gives away: the share of its solution's names it names")
+    h.add_argument("--level", choices=HINT_LEVELS, default="brief", help="the hint level to measure (default brief)")
+    c = sub.add_parser("selfcheck", help="solve tasks one at a time in fresh student copies; each must score in full")
+    c.add_argument("--tasks", nargs="+", metavar="PATTERN", help="tasks to check (default: all)")
+    c.add_argument("--suite", action="store_true", help="also run each copy's whole test suite (slow)")
+    c.add_argument("--rotate", type=int, metavar="K", help="only K of the chosen tasks, a different K each day (CI)")
+    c.add_argument("--solve", nargs="+", metavar="PATTERN", help="one half-done copy: these tasks solved, suite green")
+    c.add_argument("--ranks", type=int, default=4, help="MPI ranks (default 4)")
     m = sub.add_parser("mutants", help="plant realistic bugs in the reference solutions; every one must be caught")
     m.add_argument("--ci", action="store_true", help="only the representative subset CI runs")
     m.add_argument("--only", nargs="+", metavar="PATTERN", help="only mutants of these tasks (1.* or 2.3)")
@@ -170,9 +189,17 @@ def main(argv=None) -> int:
     if args.command == "release":
         from .release import main as release_main
 
-        return release_main(args.out)
+        return release_main(args.out, args.hints)
     if args.command == "mutants":
         return _mutants(args)
+    if args.command == "hints":
+        from .hints import main as hints_main
+
+        return hints_main(args.level)
+    if args.command == "selfcheck":
+        from .selfcheck import main as selfcheck_main
+
+        return selfcheck_main(args)
     return grade(args)
 
 

@@ -30,6 +30,9 @@ class Task:
     id: str
     title: str
     points: float
+    # Tasks whose code this one runs (its handout names them): solve those first. A task's tests
+    # depend on nothing else, so that it scores in full whatever else is done.
+    requires: tuple[str, ...] = ()
 
     @property
     def assignment(self) -> str:
@@ -143,7 +146,7 @@ def load_rubric(path: Path = RUBRIC) -> Rubric:
     for tid, entry in data.get("task", {}).items():
         if "title" not in entry or "points" not in entry:
             raise ValueError(f'{path}: [task."{tid}"] needs a title and points')
-        tasks[tid] = Task(tid, entry["title"], float(entry["points"]))
+        tasks[tid] = Task(tid, entry["title"], float(entry["points"]), tuple(entry.get("requires", ())))
     assignments = {}
     for aid, entry in data.get("assignment", {}).items():
         missing = [k for k in ("title", "name", "reference", "file") if k not in entry]
@@ -167,6 +170,10 @@ def load_rubric(path: Path = RUBRIC) -> Rubric:
             tuple(entry.get("reference_tests", ())),
             own,
         )
+    for t in tasks.values():
+        unknown = [r for r in t.requires if r not in tasks or r == t.id]
+        if unknown:
+            raise ValueError(f'{path}: [task."{t.id}"] requires {", ".join(unknown)}, which is not another task')
     orphans = [t.id for t in tasks.values() if t.assignment not in assignments]
     if orphans:
         raise ValueError(f"{path}: tasks {', '.join(orphans)} belong to no [assignment.N]")

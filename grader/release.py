@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 
 from .config import RELEASE_MARKER, ROOT, is_release, load_rubric
-from .stubs import BEGIN, released_reference_text
+from .stubs import BEGIN, HINT_LEVELS, assignment_texts, released_reference_text
 
 RELEASE_NOTE = """This is a student copy of tinytrain, made by `python -m grader release`.
 
@@ -37,11 +37,17 @@ def tracked_files(root: Path = ROOT) -> list[str]:
     return [p for p in out.stdout.decode().split("\0") if p]
 
 
-def make_release(out: Path, root: Path = ROOT) -> list[str]:
-    """Write the student copy into ``out`` (which must not exist). Returns the files written."""
+def make_release(out: Path, root: Path = ROOT, hints: str = "brief") -> list[str]:
+    """Write the student copy into ``out`` (which must not exist), its stubs at hint level ``hints``.
+    Returns the files written."""
     rubric = load_rubric(root / "grader" / "rubric.toml")
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new folder")
+    if hints not in HINT_LEVELS:
+        raise ValueError(f"--hints {hints}: choose one of {', '.join(HINT_LEVELS)}")
+    stubs = {
+        f: t for a in rubric.assignments.values() for f, t in assignment_texts(a, rubric, root, hints=hints).items()
+    }
     exclude = tuple(load_release_excludes(root))
     references = {ref: a for a in rubric.assignments.values() for ref in a.references}  # every file of a package
     written = []
@@ -51,7 +57,9 @@ def make_release(out: Path, root: Path = ROOT) -> list[str]:
         dest = out / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         if rel in references:
-            dest.write_text(released_reference_text(references[rel], root, reference=rel))
+            dest.write_text(released_reference_text(references[rel], root, reference=rel, hints=hints))
+        elif rel in stubs:  # the checked-in stubs have brief hints; another level is generated
+            dest.write_text(stubs[rel])
         else:
             shutil.copy2(root / rel, dest)
         # (grader/ itself only shows markers as examples)
@@ -77,17 +85,17 @@ def load_release_excludes(root: Path = ROOT) -> list[str]:
         return list(tomllib.load(f).get("release", {}).get("exclude", []))
 
 
-def main(out: str) -> int:
+def main(out: str, hints: str = "brief") -> int:
     if is_release():
         print("This is already a student copy; make releases from the instructors' repository.")
         return 2
     try:
-        files = make_release(Path(out))
+        files = make_release(Path(out), hints=hints)
     except (FileExistsError, ValueError) as exc:
         print(f"error: {exc}")
         return 2
     print(
         f"wrote a student copy of {len(files)} files to {out}: solution regions stubbed, "
-        f"--impl defaults to assignments there"
+        f"hints {hints}, --impl defaults to assignments there"
     )
     return 0

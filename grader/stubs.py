@@ -36,7 +36,13 @@ from pathlib import Path
 
 from .config import ROOT, Assignment, Rubric, is_release, load_rubric
 
-BEGIN = re.compile(r'^(?P<indent>[ \t]*)# BEGIN SOLUTION (?P<task>\d+\.\d+) "(?P<hint>[^"]+)"\s*$')
+BEGIN = re.compile(
+    r'^(?P<indent>[ \t]*)# BEGIN SOLUTION (?P<task>\d+\.\d+) "(?P<hint>[^"]+)"(?: full="(?P<full>[^"]+)")?\s*$'
+)
+# How much a stub tells (``python -m grader release OUT --hints LEVEL``): ``brief`` (the default,
+# and the checked-in assignments/) is the marker's first string, the intent without the calls;
+# ``full`` its ``full="..."`` string, the steps spelled out, for a gentler course; ``none``, the task alone.
+HINT_LEVELS = ("brief", "full", "none")
 END = re.compile(r"^[ \t]*# END SOLUTION\s*$")
 
 
@@ -47,14 +53,18 @@ class MarkerError(ValueError):
 @dataclass(frozen=True)
 class Region:
     task: str
-    hint: str
+    hint: str  # the brief hint: what the region achieves, not how
     indent: str
     begin: int  # 0-based line index of the BEGIN marker
     end: int  # 0-based line index of the END marker
+    full: str = ""  # the full hint (the steps), where the marker gives one
 
-    @property
-    def todo(self) -> str:
-        return f"TODO {self.task}: {self.hint}"
+    def todo(self, hints: str = "brief") -> str:
+        """The stub's message at hint level ``hints`` (one of HINT_LEVELS)."""
+        if hints not in HINT_LEVELS:
+            raise ValueError(f"hint level {hints!r}: choose one of {', '.join(HINT_LEVELS)}")
+        text = {"brief": self.hint, "full": self.full or self.hint, "none": "see the handout"}[hints]
+        return f"TODO {self.task}: {text}"
 
 
 def find_regions(text: str, path: str = "<text>") -> list[Region]:
@@ -81,7 +91,7 @@ def find_regions(text: str, path: str = "<text>") -> list[Region]:
             if open_at is None:
                 raise MarkerError(f"{where}: END SOLUTION without a BEGIN SOLUTION before it")
             start, m = open_at
-            regions.append(Region(m["task"], m["hint"], m["indent"], start, i))
+            regions.append(Region(m["task"], m["hint"], m["indent"], start, i, m["full"] or ""))
             open_at = None
     if open_at is not None:
         raise MarkerError(
@@ -90,14 +100,22 @@ def find_regions(text: str, path: str = "<text>") -> list[Region]:
     return regions
 
 
-def _replace_regions(lines: list[str], regions: list[Region], keep_solution: bool) -> list[str]:
-    out, i = [], 0
+def _solved(regions: list[Region], solved) -> set[str]:
+    """The tasks whose solutions stay: ``solved`` is a bool (all or none) or a collection of task ids."""
+    if isinstance(solved, bool):
+        return {r.task for r in regions} if solved else set()
+    return set(solved)
+
+
+def _replace_regions(lines: list[str], regions: list[Region], solved=False, hints: str = "brief") -> list[str]:
+    """The text with each region's solution kept (its task in ``solved``) or replaced by its stub."""
+    keep, out, i = _solved(regions, solved), [], 0
     for r in regions:
         out += lines[i : r.begin]
-        if keep_solution:
+        if r.task in keep:
             out += lines[r.begin + 1 : r.end]
         else:
-            out.append(f"{r.indent}raise NotImplementedError({json.dumps(r.todo, ensure_ascii=False)})")
+            out.append(f"{r.indent}raise NotImplementedError({json.dumps(r.todo(hints), ensure_ascii=False)})")
         i = r.end + 1
     return out + lines[i:]
 
@@ -152,15 +170,18 @@ def _check_tasks(regions: list[Region], a: Assignment, rubric: Rubric, path: str
             )
 
 
-def assignment_texts(a: Assignment, rubric: Rubric, root: Path = ROOT, solved: bool = False) -> dict[str, str]:
-    """Assignment file -> its text, generated from its reference (with solutions kept if ``solved``)."""
+def assignment_texts(
+    a: Assignment, rubric: Rubric, root: Path = ROOT, solved=False, hints: str = "brief"
+) -> dict[str, str]:
+    """Assignment file -> its text, generated from its reference. ``solved``: keep every solution
+    (True), none (False), or those of the given task ids; ``hints``: the stubs' hint level."""
     out, found = {}, 0
     for reference, file in a.pairs:
         text = (root / reference).read_text()
         regions = find_regions(text, reference)
         _check_tasks(regions, a, rubric, reference)
         found += len(regions)
-        lines = _replace_regions(text.splitlines(), regions, keep_solution=solved)
+        lines = _replace_regions(text.splitlines(), regions, solved, hints)
         body = "\n".join(lines) + "\n"
         lines = _absolute_imports(body.splitlines(), body, reference.removesuffix(".py").replace("/", "."), a.renames)
         out[file] = "\n".join(_header(a, reference) + lines) + "\n"
@@ -171,20 +192,22 @@ def assignment_texts(a: Assignment, rubric: Rubric, root: Path = ROOT, solved: b
 
 
 def assignment_text(
-    a: Assignment, rubric: Rubric, root: Path = ROOT, solved: bool = False, file: str | None = None
+    a: Assignment, rubric: Rubric, root: Path = ROOT, solved=False, file: str | None = None, hints: str = "brief"
 ) -> str:
     """The text of one assignment file: ``file``, or the only file of a one-file assignment."""
-    texts = assignment_texts(a, rubric, root, solved)
+    texts = assignment_texts(a, rubric, root, solved, hints)
     if file is None and len(texts) > 1:
         raise ValueError(f"assignment {a.id} has {len(texts)} files; say which: file={', '.join(texts)}")
     return texts[file or a.files[0]]
 
 
-def released_reference_text(a: Assignment, root: Path = ROOT, reference: str | None = None) -> str:
+def released_reference_text(
+    a: Assignment, root: Path = ROOT, reference: str | None = None, hints: str = "brief"
+) -> str:
     """A reference file as a student release ships it: regions stubbed, nothing else changed."""
     reference = reference or a.references[0]
     text = (root / reference).read_text()
-    lines = _replace_regions(text.splitlines(), find_regions(text, reference), keep_solution=False)
+    lines = _replace_regions(text.splitlines(), find_regions(text, reference), hints=hints)
     return "\n".join(lines) + "\n"
 
 

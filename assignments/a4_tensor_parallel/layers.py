@@ -156,7 +156,9 @@ class Parallel(Module):
         """Dropout with the serial mask: my piece of the mask the serial module ``dropout_site``
         draws for the whole batch (see top): my sequence positions under SP; my rows of the
         global batch come from ``random.batch_rows``, which the data-parallel layout sets."""
-        raise NotImplementedError("TODO 4.5: functional.dropout with site=self.dropout_site; under SP also seq_shard=(my rank, group size).")
+        if not self.sequence_parallel:  # plain TP: every rank holds the whole sequence, and its mask
+            return F.dropout(x, p, training, site=self.dropout_site)
+        raise NotImplementedError("TODO 4.5: Under SP: functional.dropout with site=self.dropout_site and seq_shard=(my rank, group size).")
 
 
 # --- 4.2 column and row parallel linear -----------------------------------------------------------

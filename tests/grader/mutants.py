@@ -468,8 +468,8 @@ MUTANTS += [
         "sequence_parallel_dropout_not_sharded",
         "4.5",
         _TPL,
-        "seq_shard = (dist.get_rank(self.group), dist.get_world_size(self.group)) if self.sequence_parallel else None",
-        "seq_shard = None",
+        "seq_shard = (dist.get_rank(self.group), dist.get_world_size(self.group))\n",
+        "seq_shard = None\n",
         "dropout|sequence",
     ),
     M(
@@ -784,8 +784,6 @@ BUILDS_ON = {
     "6.4": {"6.1", "6.2", "6.3"},
     "7.2": {"7.1"},
     "7.3": {"7.1", "7.2"},
-    "7.4": {"7.1", "7.2", "7.3"},
-    "7.5": {"7.4"},
 }
 
 

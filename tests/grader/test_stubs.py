@@ -70,7 +70,7 @@ def test_stub_keeps_every_signature_and_docstring_and_stubs_every_region(a):
         assert _functions(ast.parse(stub)) == _functions(ast.parse(ref), regions), file
         assert ast.get_docstring(ast.parse(stub)) == ast.get_docstring(ast.parse(ref)), file
         for r in regions:
-            assert f'{r.indent}raise NotImplementedError("{r.todo}")' in stub.splitlines()
+            assert f'{r.indent}raise NotImplementedError("{r.todo()}")' in stub.splitlines()
         assert "SOLUTION" not in stub
         tasks |= {r.task for r in regions}
     assert tasks == {t.id for t in a.tasks}, "every task of the rubric has a region"

@@ -41,6 +41,7 @@ from .algorithms import (
     all_to_all,
     barrier,
     broadcast,
+    bytes_sent,
     gather,
     reduce,
     reduce_scatter,

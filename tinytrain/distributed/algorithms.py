@@ -208,3 +208,4 @@ reduce = _public.reduce
 gather = _public.gather
 scatter = _public.scatter
 barrier = _public.barrier
+bytes_sent = _public.bytes_sent

@@ -128,6 +128,29 @@ class Collectives(AlgorithmSource):
         c = Call(g, "reduce", algo)
         return run(c, steps(), async_op, lambda: signature(tensor, same_shape=True, root=root, reduce=op, algo=algo))
 
+    def bytes_sent(self, op: str, sizes, itemsize: int, group=None) -> int:
+        """Bytes this rank sends in one ``all_gather`` or ``reduce_scatter`` whose pieces hold
+        ``sizes[p]`` elements (rank p's piece), by the algorithm that will run.
+
+        The ring: rank r sends every piece but piece r+1 gathering, every piece but its own reducing.
+        A student copy whose ring is still a TODO runs the direct stand-ins (see rooted.py): the same
+        for reduce-scatter; gathering, rank r sends its own piece to each of the n-1 others. Volume
+        checks compare a measured count with this, so they hold under either.
+        """
+        g = resolve(group)
+        n, r, sizes = g.size, g.rank, [int(x) for x in sizes]
+        if len(sizes) != n:
+            raise ValueError(f"bytes_sent: {len(sizes)} sizes for a group of {n} ranks; give one per rank")
+        if n == 1:
+            return 0
+        if op == "reduce_scatter":
+            return itemsize * (sum(sizes) - sizes[r])
+        if op != "all_gather":
+            raise ValueError(f"bytes_sent: op must be 'all_gather' or 'reduce_scatter', got {op!r}")
+        if self._cut_out("_ring_all_gather"):
+            return itemsize * (n - 1) * sizes[r]
+        return itemsize * (sum(sizes) - sizes[(r + 1) % n])
+
     def all_gather(self, tensor, group=None, async_op: bool = False, algo: str | None = None, sizes=None, out=None):
         """Concatenate every rank's ``tensor`` along axis 0, in rank order; returns a new array.
 

@@ -121,7 +121,10 @@ def scatter_linear(c: Call, flat, full, root: int, bounds):
 # algorithms.py (assignment 1) are cut out: each raises a NotImplementedError with a TODO. The rest
 # of the framework still needs its collectives (data parallel all-reduces, MoE all-to-alls), and a
 # student may do a later assignment first. So where an algorithm is cut out, the framework's
-# public functions (collectives.py) use one of these instead: correct, just not bandwidth-optimal.
+# public functions (collectives.py) use one of these instead: correct and simple (each rank talks
+# to every other rank directly, in one step), moving the same bytes in all as the ring and the
+# tree, but with every message at once. ``Collectives.bytes_sent`` gives the bytes a rank sends by
+# whichever algorithm runs, so volume checks hold in a student copy too.
 # In the full repository nothing is cut out and the stand-ins never run.
 #
 # Only the framework falls back. The assignment file (assignments/a1_collectives.py) must raise
@@ -129,18 +132,35 @@ def scatter_linear(c: Call, flat, full, root: int, bounds):
 
 
 def reduce_scatter_standin(c: Call, flat, bounds, op: str, out):
-    """Reduce onto rank 0 (binomial tree, on a copy: ``flat`` is only read), then scatter: rank r's
-    ``out`` gets chunk r reduced."""
-    work = flat.copy()
-    yield from reduce_tree(c, work, 0, op)
-    yield from scatter_linear(c, out, work if c.rank == 0 else None, 0, bounds)
+    """Direct reduce-scatter: every rank sends chunk p of ``flat`` (only read) straight to rank p and
+    combines the n-1 chunks it receives with its own, in rank order, into ``out``. One step, the
+    ring's bytes on every rank (every chunk but its own), but all n-1 messages at once."""
+    n, r = c.size, c.rank
+    a, b = bounds[r]
+    others = [p for p in range(n) if p != r]
+    parts = [c.scratch(b - a, flat) for _ in others]
+    yield c.exchange(
+        "direct reduce-scatter stand-in: chunk p to rank p",
+        sends=[(flat[bounds[p][0] : bounds[p][1]], p) for p in others],
+        recvs=list(zip(parts, others)),
+    )
+    out[...] = flat[a:b]
+    for part in parts:  # in rank order, so the result does not depend on arrival order
+        combine(out, part, op)
 
 
 def all_gather_standin(c: Call, flat, bounds):
-    """Gather every piece on rank 0, then send the whole buffer to everyone."""
-    a, b = bounds[c.rank]
-    yield from gather_linear(c, flat[a:b], flat if c.rank == 0 else None, 0, bounds)
-    yield from broadcast_naive(c, flat, 0)
+    """Direct all-gather: every rank sends its own chunk (already in place) straight to every other
+    rank. One step; the same bytes in all as the ring's, though rank r sends (n-1) times its own
+    chunk where the ring sends every chunk but chunk r+1 (the same when chunks are equal)."""
+    n, r = c.size, c.rank
+    a, b = bounds[r]
+    others = [p for p in range(n) if p != r]
+    yield c.exchange(
+        "direct all-gather stand-in: my chunk to every rank",
+        sends=[(flat[a:b], p) for p in others],
+        recvs=[(flat[bounds[p][0] : bounds[p][1]], p) for p in others],
+    )
 
 
 def all_to_all_standin(c: Call, flat, send_bounds, out, recv_bounds):

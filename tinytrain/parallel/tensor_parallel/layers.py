@@ -152,8 +152,10 @@ class Parallel(Module):
         """Dropout with the serial mask: my piece of the mask the serial module ``dropout_site``
         draws for the whole batch (see top): my sequence positions under SP; my rows of the
         global batch come from ``random.batch_rows``, which the data-parallel layout sets."""
-        # BEGIN SOLUTION 4.5 "functional.dropout with site=self.dropout_site; under SP also seq_shard=(my rank, group size)."
-        seq_shard = (dist.get_rank(self.group), dist.get_world_size(self.group)) if self.sequence_parallel else None
+        if not self.sequence_parallel:  # plain TP: every rank holds the whole sequence, and its mask
+            return F.dropout(x, p, training, site=self.dropout_site)
+        # BEGIN SOLUTION 4.5 "Under SP: functional.dropout with site=self.dropout_site and seq_shard=(my rank, group size)."
+        seq_shard = (dist.get_rank(self.group), dist.get_world_size(self.group))
         return F.dropout(x, p, training, site=self.dropout_site, seq_shard=seq_shard)
         # END SOLUTION
 
