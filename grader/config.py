@@ -126,6 +126,16 @@ class Rubric:
         names = ", ".join(sorted(a.name for a in self.assignments.values()))
         raise AttributeError(f"no assignment named {name!r} in grader/rubric.toml (there are: {names})")
 
+    def closure(self, tasks) -> tuple[str, ...]:
+        """The tasks and everything they require, transitively, in rubric order."""
+        want, todo = set(), list(tasks)
+        while todo:
+            t = todo.pop()
+            if t not in want:
+                want.add(t)
+                todo += self.tasks[t].requires
+        return tuple(t.id for t in self.select(None) if t.id in want)
+
     def select(self, patterns: list[str] | None) -> list[Task]:
         """Tasks whose id matches any of the glob ``patterns`` ("1.*", "1.3"); all when None."""
         tasks = sorted(self.tasks.values(), key=lambda t: tuple(int(x) for x in t.id.split(".")))

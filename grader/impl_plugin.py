@@ -34,6 +34,7 @@ import fnmatch
 import importlib
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from typing import ClassVar
@@ -220,11 +221,33 @@ def pytest_runtest_makereport(item, call):
         reason = todo if not task or todo.startswith(f"TODO {task}:") else f"{todo} (needed by task {task})"
         rep.outcome = "skipped"
         rep.longrepr = (str(item.path), item.location[1] or 0, reason)
+    elif rep.failed and is_release() and task_of(item) is None and (todo := todo_in_output(rep)):
+        # A framework test that runs a program (tinytrain train --dp 2, a notebook) stopped at one of
+        # the framework's own chapters, which a student copy cuts out: unfinished there, not failed.
+        rep.outcome = "skipped"
+        rep.longrepr = (
+            str(item.path),
+            item.location[1] or 0,
+            f"{todo} -- this test runs tinytrain's own chapter, which this student copy cuts out "
+            "(your assignments/ are graded by python -m grader)",
+        )
     elif rep.failed:
         crash = getattr(rep.longrepr, "reprcrash", None)
         if crash is not None:
             crash.message = numpy_message_first(crash.message)
         _add_replay_hint(rep)
+
+
+_TODO_IN_OUTPUT = re.compile(r"NotImplementedError: (TODO \d+\.\d+)\b")
+
+
+def todo_in_output(rep) -> str | None:
+    """The first ``TODO x.y`` (with its task's title) a failed test's output shows a program raising."""
+    m = _TODO_IN_OUTPUT.search(str(rep.longrepr) + "".join(text for _, text in rep.sections))
+    if m is None:
+        return None
+    task = _rubric.tasks.get(m.group(1).removeprefix("TODO "))
+    return f"{m.group(1)} ({task.title})" if task else m.group(1)
 
 
 _NUMPY_HEADS = ("Not equal to tolerance", "Arrays are not equal", "Arrays are not almost equal")

@@ -79,6 +79,27 @@ def score_tasks(tasks: list[Task], results: list[TestResult], problems: list[str
         else:
             why = problems[0].splitlines()[0] if problems else "no graded test for this task ran"
             scores.append(TaskScore(task, "FAIL", 0.0, why, mine))
+    return blame_what_it_builds_on(scores)
+
+
+def blame_what_it_builds_on(scores: list[TaskScore]) -> list[TaskScore]:
+    """A task that fails while a task it requires (rubric ``requires``) fails or is TODO may fail
+    only through that one's bug: say so first, naming the earliest such task, where to look."""
+    status = {s.task.id: s.status for s in scores}
+    tasks = {s.task.id: s.task for s in scores}
+
+    def broken_roots(task) -> list[str]:
+        found = []
+        for r in task.requires:
+            if status.get(r) in ("FAIL", "TODO"):
+                found += broken_roots(tasks[r]) or [r]
+        return list(dict.fromkeys(found))
+
+    for s in scores:
+        roots = broken_roots(s.task) if s.status == "FAIL" else []
+        if roots:
+            which = " and ".join(f"task {r} ({status[r]})" for r in roots)
+            s.reason = f"builds on {which}: fix that first, this may then pass. {s.reason}"
     return scores
 
 

@@ -51,17 +51,6 @@ class Outcome:
         return scored and self.suite in ("", "passed")
 
 
-def closure(rubric: Rubric, tasks) -> tuple[str, ...]:
-    """The tasks and everything they require, transitively, in rubric order."""
-    want, todo = set(), list(tasks)
-    while todo:
-        t = todo.pop()
-        if t not in want:
-            want.add(t)
-            todo += rubric.tasks[t].requires
-    return tuple(t.id for t in rubric.select(None) if t.id in want)
-
-
 def solve(copy: Path, rubric: Rubric, solved: tuple[str, ...]) -> None:
     """Write the reference's solutions of ``solved`` into the copy's assignment files, the rest stubs."""
     for a in rubric.assignments.values():
@@ -71,10 +60,16 @@ def solve(copy: Path, rubric: Rubric, solved: tuple[str, ...]) -> None:
                 (copy / file).write_text(text)
 
 
+def copy_environment(copy: Path) -> dict:
+    """The environment a student's own install of ``copy`` gives: its packages first, whatever
+    folder a program runs in (this repository's editable install would serve the solutions)."""
+    return dict(mpi_environment(), PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
+
+
 def _run(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
     try:
         proc = subprocess.run(
-            cmd, cwd=cwd, env=mpi_environment(), capture_output=True, text=True, timeout=timeout, check=False
+            cmd, cwd=cwd, env=copy_environment(cwd), capture_output=True, text=True, timeout=timeout, check=False
         )
     except subprocess.TimeoutExpired as exc:
         return -1, f"timed out after {timeout:.0f} s\n{exc.stdout or ''}{exc.stderr or ''}"
@@ -162,13 +157,13 @@ def main(args) -> int:
         base = Path(tmp) / "release"
         make_release(base)
         if chosen_solve is not None:
-            solved = closure(rubric, chosen_solve)
+            solved = rubric.closure(chosen_solve)
             label = ",".join(sorted({p.split(".")[0] + ".*" for p in solved}))
             results.append(check_copy(base, Path(tmp), rubric, "half-done", solved, None, args.ranks, True))
             print(f"half-done copy ({label} solved): suite {results[-1].suite}", file=sys.stderr)
         else:
             for task in tasks:
-                r = check_copy(base, Path(tmp), rubric, task, closure(rubric, [task]), task, args.ranks, args.suite)
+                r = check_copy(base, Path(tmp), rubric, task, rubric.closure([task]), task, args.ranks, args.suite)
                 results.append(r)
                 print(f"{table([r]).splitlines()[1]}", file=sys.stderr)
     print(table(results))

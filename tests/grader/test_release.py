@@ -11,7 +11,7 @@ import pytest
 
 from grader.config import ROOT, is_release, load_rubric
 from grader.release import make_release
-from grader.run import mpi_environment
+from grader.selfcheck import copy_environment
 from grader.stubs import BEGIN
 
 pytestmark = [
@@ -51,7 +51,7 @@ def test_release_refuses_an_existing_folder(release):
 
 def test_release_suite_passes_with_stand_ins_and_todo_stubs(release):
     """In the copy: graded tests are TODO, reference tests skipped, the framework works on stand-ins."""
-    env = mpi_environment()
+    env = copy_environment(release)
     cmd = [
         "mpirun",
         "-n",
@@ -96,7 +96,7 @@ def test_release_with_assignment_1_done_is_green_and_its_handout_commands_work(r
     done = tmp_path / "done"
     shutil.copytree(release, done)
     (done / a1.file).write_text(assignment_text(a1, RUBRIC, solved=True))
-    env = mpi_environment()
+    env = copy_environment(done)
 
     def run(*cmd, timeout=600):
         proc = subprocess.run(list(cmd), cwd=done, env=env, capture_output=True, text=True, timeout=timeout)
