@@ -67,7 +67,7 @@ def _ring_reduce_scatter(c: Call, flat, bounds, op: str, shift: int, out):
     after the last step ``out`` holds chunk (r + 1 + shift) % n reduced over all ranks. ``out`` may
     be that chunk of ``flat`` itself (the ring all-reduce reduces in place that way).
     """
-    raise NotImplementedError("TODO 1.1: Step s sends (step 0: chunk (r-s+shift)%n of flat; later: the sum made the step before) right, receives chunk (r-s-1+shift)%n from the left into a buffer, combines in flat's chunk (the last step into out).")
+    raise NotImplementedError("TODO 1.1: Partial results travel the ring, each hop adding one more contribution, until every member ends with one chunk reduced over all of them; the input is only read.")
 
 
 def _ring_all_gather(c: Call, flat, bounds, shift: int, label: str = "ring all-gather"):
@@ -76,7 +76,7 @@ def _ring_all_gather(c: Call, flat, bounds, shift: int, label: str = "ring all-g
     On entry rank r's chunk (r + 1 + shift) % n of ``flat`` is final; on exit every chunk is. Like
     reduce-scatter, but a received chunk overwrites (it is already finished) instead of adding.
     """
-    raise NotImplementedError("TODO 1.2: Step s sends chunk (r+1+shift-s)%n right and receives chunk (r+shift-s)%n from the left into flat.")
+    raise NotImplementedError("TODO 1.2: Pass the finished chunks around the ring until all ranks hold every one of them; a chunk that arrives is final, so it replaces, never adds.")
 
 
 def _all_reduce_ring(c: Call, flat, op: str):
@@ -84,7 +84,7 @@ def _all_reduce_ring(c: Call, flat, op: str):
 
     Volume sent by rank r with chunk lengths len_i (split_counts):
     2*N - len_{(r+1)%n} - len_{(r+2)%n} elements, i.e. 2(n-1)/n * N when n divides N."""
-    raise NotImplementedError("TODO 1.3: Chunks: chunk_bounds(split_counts(flat.size, n)); reduce-scatter into this rank's own chunk of flat (r+1 with shift=0), then all-gather, shift=0.")
+    raise NotImplementedError("TODO 1.3: All-reduce as the two ring phases back to back on one cut of the buffer: reduce each chunk in place into its owner's copy, then circulate the finished chunks to everyone.")
 
 
 # =================================================================================================
@@ -103,7 +103,7 @@ def _all_to_all_pairwise(c: Call, flat, send_bounds, out, recv_bounds):
 
     ``flat[send_bounds[p]]`` goes to rank p; what rank p sends lands in ``out[recv_bounds[p]]``.
     """
-    raise NotImplementedError("TODO 1.4: Copy your own piece; step s=1..n-1 sends to rank (r+s)%n and receives from (r-s)%n in one exchange.")
+    raise NotImplementedError("TODO 1.4: Keep your own block, then in n-1 steps trade blocks with one peer each way at a growing distance around the ring, so that every pair talks exactly once in each direction.")
 
 
 # =================================================================================================
@@ -125,7 +125,7 @@ def _broadcast_tree(c: Call, flat, root: int):
     Work with ranks relative to the root, v = (rank - root) % n: every rank but the root first
     receives from its parent, then sends to its children (``tree_children``) in one step.
     """
-    raise NotImplementedError("TODO 1.5: If v != 0, receive from parent v - (v & -v); then send to each child in tree_children(v, n).")
+    raise NotImplementedError("TODO 1.5: Spread the buffer down a binomial tree: everyone but the source gets it once from above, then forwards it to all of its subtrees at once.")
 
 
 # =================================================================================================

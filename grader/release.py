@@ -32,6 +32,74 @@ it uses a simpler stand-in. Write your solutions in assignments/ and grade them 
 """
 
 
+STUDENT_README = """# tinytrain: the student copy
+
+```bash
+python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[dev]" && python -m grader   # set up, grade
+pip install -e ".[dev]" && mpirun -n 4 python -m pytest -q                                       # the whole suite
+```
+
+This is your copy of tinytrain, a small training framework in which every parallel strategy is
+a chapter you write. The reference solutions are not here: each part you write is a
+`raise NotImplementedError("TODO <task>: <hint>")` in `assignments/`, and the handout beside it
+(`assignments/a1_collectives.md`, ...) explains the algorithm, its invariants and a worked case.
+
+## Setting up
+
+Python 3.10 or newer. The first command above makes a virtual environment in `.venv/` and installs
+tinytrain, NumPy, mpi4py, MPI itself (the `mpich` wheel brings `mpirun`), pytest and Jupyter's
+kernel into it. In a new terminal, `. .venv/bin/activate` first.
+
+## The assignments
+
+| assignment | files | handout | tasks |
+|---|---|---|---|
+{rows}
+
+Do them in any order: a task scores in full once it and the tasks named in its handout as
+prerequisites (the `requires` column) are correct, whatever else you have done. Where the
+framework needs a part you have not written, it uses a simpler stand-in or reports the TODO.
+
+## Grading
+
+```bash
+python -m grader                      # every task: the score table
+python -m grader --tasks '1.*'        # one assignment (quote the pattern), or --tasks 1.1 1.3
+mpirun -n 4 python -m pytest tests/graded -x   # the same tests with pytest's full output
+TINYTRAIN_GRADER_SEED=1234 python -m grader --tasks 1.1   # replay the inputs of a failure
+```
+
+A task scores its points only if all its tests pass on every rank; an unfinished task shows as
+TODO (0 points), never as an error. A failure says what went wrong first, on which rank, and the
+seed that replays it. A hang or a crash costs only its own task. Results go to `out/grader/`:
+`results.json` (Gradescope's format) and `junit.xml`.
+
+## Running your own code
+
+```bash
+tinytrain train --impl assignments                      # train a small GPT on your code (serially)
+mpirun -n 4 tinytrain train --impl assignments --dp 4   # ... data parallel on your DDP (assignment 2)
+mpirun -n 4 tinytrain bench collectives --impl assignments --algo ring   # your collectives vs MPI's
+```
+
+Without `--impl assignments`, `tinytrain train` runs the framework's own chapters, which this copy
+cuts out: a layout stops at the TODO of the chapter it needs. Runs write to `runs/latest/`
+(`metrics.json`, `loss.png`, the checkpoint); `--trace run.json --plot` adds a Chrome trace and a
+timeline. The notebooks in `notebooks/` draw what the handouts describe once their tasks are done.
+"""
+
+
+def student_readme(rubric) -> str:
+    rows = []
+    for a in rubric.assignments.values():
+        files = a.file + ("/" if len(a.files) > 1 else "")
+        tasks = ", ".join(
+            t.id + (f" (requires {', '.join(t.requires)})" if t.requires else "") for t in a.tasks
+        )
+        rows.append(f"| {a.id} {a.title} | `{files}` | `{a.handout}` | {tasks} |")
+    return STUDENT_README.format(rows="\n".join(rows))
+
+
 def tracked_files(root: Path = ROOT) -> list[str]:
     out = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True)
     return [p for p in out.stdout.decode().split("\0") if p]
@@ -75,6 +143,7 @@ def make_release(out: Path, root: Path = ROOT, hints: str = "brief") -> list[str
             )
         written.append(rel)
     (out / RELEASE_MARKER.relative_to(ROOT)).write_text(RELEASE_NOTE)
+    (out / "README.md").write_text(student_readme(rubric))  # a student's README: no instructor commands
     return written
 
 

@@ -39,11 +39,11 @@ class VocabParallelCrossEntropy(Function):
 
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start, ignore_index=-100, denominator=None):
-        raise NotImplementedError("TODO 4.4: all_reduce max of row maxes, all_reduce sum of exp, all_reduce the target logit; keep probs for backward.")
+        raise NotImplementedError("TODO 4.4: The mean loss over non-ignored positions from vocabulary-split scores, never building the full ones: a global max for stability, the global softmax normaliser, and the correct class's score from whichever rank owns it; keep the softmax for backward.")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.4: d/dlogits_r = (probs_r - onehot_r(target)) · valid · grad / denom; no talk.")
+        raise NotImplementedError("TODO 4.4: Purely on this rank: the gradient of the scores it holds is its softmax minus the one-hot of the correct class (where it owns it), on non-ignored positions, scaled by the incoming gradient over the divisor.")
 
 
 def vocab_parallel_cross_entropy(logits, targets, group, vocab_start, ignore_index=-100, denominator=None):

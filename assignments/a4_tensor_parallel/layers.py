@@ -158,7 +158,7 @@ class Parallel(Module):
         global batch come from ``random.batch_rows``, which the data-parallel layout sets."""
         if not self.sequence_parallel:  # plain TP: every rank holds the whole sequence, and its mask
             return F.dropout(x, p, training, site=self.dropout_site)
-        raise NotImplementedError("TODO 4.5: Under SP: functional.dropout with site=self.dropout_site and seq_shard=(my rank, group size).")
+        raise NotImplementedError("TODO 4.5: Under sequence parallelism, apply this rank's positions of the mask the serial module draws for the full shape.")
 
 
 # --- 4.2 column and row parallel linear -----------------------------------------------------------
@@ -175,7 +175,7 @@ class ColumnParallelLinear(Parallel):
         self.keep("bias", None if linear.bias is None else shard(linear.bias, 0, group, join(name, "bias")))
 
     def forward(self, x):
-        raise NotImplementedError("TODO 4.2: enter(x) (copy, or all-gather under SP), local linear, gather_output: GatherFromRegion.")
+        raise NotImplementedError("TODO 4.2: Each rank computes its own output features from the whole input (entering the region once), and joins them into the full output only when asked to.")
 
 
 class RowParallelLinear(Parallel):
@@ -190,7 +190,7 @@ class RowParallelLinear(Parallel):
         )
 
     def forward(self, x):
-        raise NotImplementedError("TODO 4.2: Local partial product, then leave() (all-reduce or reduce-scatter); add the bias once, after.")
+        raise NotImplementedError("TODO 4.2: Multiply this rank's slice of the input features by its rows, combine the partial results on leaving the region, and only then add the replicated additive term, so that it counts once.")
 
 
 # --- 4.3 parallel MLP and attention ----------------------------------------------------------------
@@ -206,7 +206,7 @@ class ParallelMLP(Parallel):
         self.p, self.dropout_site = mlp.dropout.p, join(name, "dropout")
 
     def forward(self, x):
-        raise NotImplementedError("TODO 4.3: fc_1, gelu, fc_2, then self.dropout(y, self.p, self.training).")
+        raise NotImplementedError("TODO 4.3: The serial MLP on this rank's hidden columns: expand, nonlinearity, project back, then the serial-matching random mask; no talk in between.")
 
 
 class ParallelAttention(Parallel):
@@ -223,7 +223,7 @@ class ParallelAttention(Parallel):
         self.attention_fn = None  # None: causal attention on my heads; context parallel sets its own
 
     def forward(self, x):
-        raise NotImplementedError("TODO 4.3: Enter once (q, k, v share it), local linears, my n_head/t heads, attend(self.attention_fn, q, k, v), proj, dropout.")
+        raise NotImplementedError("TODO 4.3: Attention with each head wholly on one rank: go into the region a single time for all three projections, compute attention on this rank's share, then the output projection and the serial-matching random mask.")
 
 
 class ReplicatedLayerNorm(Parallel):
@@ -269,4 +269,4 @@ class VocabParallelEmbedding(Parallel):
         self.keep("weight", shard(embedding.weight, 0, group, join(name, "weight")))
 
     def forward(self, ids):
-        raise NotImplementedError("TODO 4.4: Mask ids outside [start, stop), look up ids - start (0 where masked), zero masked rows, ReduceFromRegion.")
+        raise NotImplementedError("TODO 4.4: Look up only the tokens whose table rows this rank holds, zeros for the rest, so that summing over ranks gives every token its vector exactly once.")

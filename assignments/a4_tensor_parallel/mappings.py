@@ -75,11 +75,11 @@ class CopyToRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("TODO 4.1: Forward: nothing to do. Remember the group for backward.")
+        raise NotImplementedError("TODO 4.1: Entering the region changes nothing on the way in; keep what the way back needs.")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.1: Each rank's dx covers only its columns' paths: sum them (all-reduce).")
+        raise NotImplementedError("TODO 4.1: Each rank's input gradient covers only the paths through its own columns: every rank needs their total.")
 
 
 class ReduceFromRegion(Function):
@@ -87,11 +87,11 @@ class ReduceFromRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("TODO 4.1: Sum the t partial outputs (all-reduce a copy).")
+        raise NotImplementedError("TODO 4.1: Every rank leaves the region with the total of the t partial outputs, without touching an array autograd still holds.")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.1: Every rank's partial output fed the whole sum: it gets the whole gradient.")
+        raise NotImplementedError("TODO 4.1: Each partial output fed the whole total, so its gradient is the incoming one, unchanged.")
 
 
 class GatherFromRegion(Function):
@@ -99,11 +99,11 @@ class GatherFromRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("TODO 4.1: All-gather along axis -1 (all_gather_along moves it to the front).")
+        raise NotImplementedError("TODO 4.1: Assemble the full feature dimension from every rank's columns, in rank order, and keep what the way back needs.")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.1: Only my columns came from me: keep my piece of the last axis.")
+        raise NotImplementedError("TODO 4.1: The whole tensor was the same everywhere, so only this rank's columns of its gradient flow back, and nothing is sent.")
 
 
 class ScatterToRegion(Function):
@@ -111,11 +111,11 @@ class ScatterToRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("TODO 4.1: Keep my piece of the last axis.")
+        raise NotImplementedError("TODO 4.1: Each rank goes on with only its own block of the features; keep what the way back needs.")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.1: Each piece's gradient is on its rank: all-gather them along axis -1.")
+        raise NotImplementedError("TODO 4.1: Each rank holds the gradient of its own columns only; every rank needs all of them, side by side.")
 
 
 # --- 4.5 sequence-parallel regions -----------------------------------------------------------------
@@ -126,11 +126,11 @@ class GatherFromSequenceRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("TODO 4.5: All-gather along the sequence axis 1.")
+        raise NotImplementedError("TODO 4.5: From sequence shards to the whole sequence on every rank, in position order; keep what the way back needs.")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.5: Every rank's grad is partial (its columns): reduce-scatter along axis 1.")
+        raise NotImplementedError("TODO 4.5: Each rank's gradient of the whole sequence is partial; each keeps the total for its own positions only.")
 
 
 class ReduceScatterToSequenceRegion(Function):
@@ -138,11 +138,11 @@ class ReduceScatterToSequenceRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("TODO 4.5: Reduce-scatter along the sequence axis 1.")
+        raise NotImplementedError("TODO 4.5: The partial outputs are summed and each rank keeps only its own positions of the total; keep what the way back needs.")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.5: Every partial sum needs the whole gradient: all-gather along axis 1.")
+        raise NotImplementedError("TODO 4.5: Every rank's partial output fed the total at all positions, so each needs the gradient of the whole sequence.")
 
 
 class ScatterToSequenceRegion(Function):
@@ -150,8 +150,8 @@ class ScatterToSequenceRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("TODO 4.5: Keep my piece of the sequence axis 1.")
+        raise NotImplementedError("TODO 4.5: Each rank goes on with only its own positions of the sequence; keep what the way back needs.")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.5: All-gather the pieces' gradients along axis 1.")
+        raise NotImplementedError("TODO 4.5: Put the positions' gradients, each on its owner, back together into the whole sequence on every rank.")

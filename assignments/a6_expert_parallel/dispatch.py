@@ -45,11 +45,11 @@ class AllToAll(Function):
 
     @staticmethod
     def forward(ctx, x, send_sizes=None, recv_sizes=None, group=None):
-        raise NotImplementedError("TODO 6.3: Remember the sizes and the group on ctx (backward needs them); dist.all_to_all of the contiguous x with send_sizes and recv_sizes over group.")
+        raise NotImplementedError("TODO 6.3: Each rank's row blocks go to their destinations in the given, possibly uneven, split; remember the split for the way back.")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 6.3: The reverse exchange: all_to_all the gradient with the sizes swapped (what was sent comes home).")
+        raise NotImplementedError("TODO 6.3: The gradient of an exchange is the reverse exchange: what each rank received goes back to where it came from.")
 
 
 def owned(rank: int, n_experts: int, size: int) -> range:
@@ -81,7 +81,7 @@ def dropless(moe, rows, counts, group):
     outputs back, uneven splits. Returns (outputs in the order of ``rows``, send sizes, recv sizes)."""
     P, r = dist.get_world_size(group), dist.get_rank(group)
     per = moe.n_experts // P
-    raise NotImplementedError("TODO 6.3: counts.reshape(P, E/P): one block per destination; all_to_all it (equal splits) to learn what arrives; AllToAll the rows with uneven sizes, regroup by local expert (by_expert), run moe.run_experts on owned(r, E, P), undo the regrouping, AllToAll back with the sizes swapped.")
+    raise NotImplementedError("TODO 6.3: First tell each owner how many assignments for each of its experts are coming, then ship them with uneven splits, have each owner run every local expert once on its arrivals, and return the results home in their original order.")
 
 
 def padded(moe, rows, counts, slots: int, group):

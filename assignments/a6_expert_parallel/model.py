@@ -151,7 +151,7 @@ class ExpertParallel:
         mine = [p for p in self._params if p.requires_grad]
         experts = [p for p in mine if self.is_expert(p)]
         dense_params = [p for p in mine if not self.is_expert(p)] if dense else []
-        raise NotImplementedError("TODO 6.4: Pack each list into one flat buffer (flatten adds a has-gradient flag per parameter: a missing gradient is zeros there). Dense: average over the EP group, then over the DP group (if any). Experts: average over the DP group, then divide by the EP size. unflatten leaves None where no rank had a gradient.")
+        raise NotImplementedError("TODO 6.4: Make every gradient this rank updates equal the serial one: shared weights averaged over the whole data mesh, expert weights over their replicas and rescaled for the expert ranks; a gradient no rank had stays missing.")
 
     def gather_experts(self) -> None:
         """Every rank ends with every expert's current weights: each broadcast from its owner."""

@@ -65,7 +65,7 @@ def block_attention(q, k, v, scale, causal: bool):
     of the scores (..., Tq).
     """
     WORK.add(q.shape[-2] * k.shape[-2])
-    raise NotImplementedError("TODO 7.1: Scores q·kᵀ·scale (+ causal_bias on the diagonal); lse = max + log Σ exp(s − max); out = exp(s − lse)·v.")
+    raise NotImplementedError("TODO 7.1: One block's attention result, normalised within the block, and each query's LSE of its scores against these keys, computed without overflow; on the diagonal block no query sees a later key.")
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):
@@ -75,7 +75,7 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     log-sum-exps. Returns ``(out, lse)`` over the union. ``lse_a`` may be -inf (no keys yet) as
     long as ``lse_b`` is finite.
     """
-    raise NotImplementedError("TODO 7.1: lse = max + log(exp(lse_a − max) + exp(lse_b − max)); out = exp(lse_a − lse)·out_a + exp(lse_b − lse)·out_b.")
+    raise NotImplementedError("TODO 7.1: Combine two partial results over disjoint key sets into the exact result over their union, each weighted by its share of the softmax mass; stable even when one side has seen no keys yet.")
 
 
 def block_gradients(q, k, v, lse, grad, delta, scale, causal: bool):
@@ -85,4 +85,4 @@ def block_gradients(q, k, v, lse, grad, delta, scale, causal: bool):
     ``delta``: rowsum(grad ⊙ out) (..., Tq). See the module docstring.
     """
     WORK.add(q.shape[-2] * k.shape[-2])
-    raise NotImplementedError("TODO 7.3: p = exp(q·kᵀ·scale (+ causal_bias) − lse); dv = pᵀ·g; ds = p ⊙ (g·vᵀ − delta)·scale; dq = ds·k; dk = dsᵀ·q.")
+    raise NotImplementedError("TODO 7.3: One block's gradients for queries, keys and values, rebuilding its probabilities from the merged LSE instead of storing them.")

@@ -58,7 +58,7 @@ def chunk_ids(rank: int, n: int, split: str) -> list[int]:
     check_split(split)
     if split == "contiguous":
         return [rank]
-    raise NotImplementedError("TODO 7.4: Zigzag: one early chunk and its mirror image from the end, [rank, 2n − 1 − rank].")
+    raise NotImplementedError("TODO 7.4: Pair one early chunk with its mirror image counted from the end, so every member gets the same causal work.")
 
 
 def positions(T: int, rank: int, n: int, split: str) -> numpy.ndarray:
@@ -66,7 +66,7 @@ def positions(T: int, rank: int, n: int, split: str) -> numpy.ndarray:
     c = chunk_size(T, n, split)
     if split == "contiguous":
         return numpy.arange(rank * c, (rank + 1) * c)
-    raise NotImplementedError("TODO 7.4: Zigzag: the positions of each of chunk_ids(rank, n, split): chunk i is [i·c, (i+1)·c); concatenate them.")
+    raise NotImplementedError("TODO 7.4: The sorted sequence positions covered by the chunks this member holds.")
 
 
 def block_pairs(rank: int, src: int, n: int, split: str) -> list[tuple[int, int, bool]]:

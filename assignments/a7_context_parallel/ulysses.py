@@ -57,14 +57,14 @@ def seq_to_head(x, group, split):
     n = dist.get_world_size(group)
     B, H, Tl, D = x.shape
     check_heads(H, n)
-    raise NotImplementedError("TODO 7.5: Send head group p to rank p: (N, B, H/N, T/N, D) contiguous, all_to_all, then put the N position pieces side by side and sort them by position.")
+    raise NotImplementedError("TODO 7.5: From this rank's positions of all heads to all positions (sorted along the sequence) of its share of the heads.")
 
 
 def head_to_seq(y, group, split):
     """(B, H/N, T, D) all positions, my heads -> (B, H, T/N, D) my positions, all heads."""
     n = dist.get_world_size(group)
     B, h, T, D = y.shape
-    raise NotImplementedError("TODO 7.5: The inverse of seq_to_head: columns in gathered order (rank by rank), (N, B, H/N, T/N, D) contiguous, all_to_all, head groups side by side.")
+    raise NotImplementedError("TODO 7.5: Exactly undo the sequence-to-head exchange: from all positions of my heads back to my positions of all heads.")
 
 
 class SeqToHead(Function):
@@ -96,7 +96,7 @@ class HeadToSeq(Function):
 def alltoall_attention(q, k, v, group=None, split="zigzag", scale=None):
     """Causal attention of my positions' q, k, v (B, H, T/N, D) by two all-to-alls (see top)."""
     check_heads(q.shape[1], dist.get_world_size(group))
-    raise NotImplementedError("TODO 7.5: SeqToHead each of q, k, v; F.scaled_dot_product_attention(causal=True, scale=scale); HeadToSeq.")
+    raise NotImplementedError("TODO 7.5: Trade sequence shards for head shards, run ordinary masked attention on the whole sequence locally, and trade back.")
 
 
 def alltoall_bytes(q_shape, itemsize: int, n: int) -> tuple[int, int]:

@@ -76,7 +76,7 @@ class _Replicated(Wrapper):
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside only accumulate into ``.grad``; the first one after communicates."""
-        # BEGIN SOLUTION 2.3 "Set self.require_sync to False for the with-block and restore the previous value afterwards (even on an exception)."
+        # BEGIN SOLUTION 2.3 "Inside the with-block backward passes only accumulate, without talking; on leaving it, even by an exception, the wrapper goes back to what it did before." full="Set self.require_sync to False for the with-block and restore the previous value afterwards (even on an exception)."
         previous, self.require_sync = self.require_sync, False
         try:
             yield
@@ -98,7 +98,7 @@ class NaiveDDP(_Replicated):
     """One blocking all-reduce per parameter once backward has finished: simple, no overlap."""
 
     def finish_gradient_sync(self) -> None:
-        # BEGIN SOLUTION 2.1 "For every parameter in self.params, all_reduce its gradient in place with op='avg' (use grad_or_zeros, group=self.group, algo=self.algo)."
+        # BEGIN SOLUTION 2.1 "After backward, every trainable parameter's gradient becomes its average over the data-parallel ranks, a missing one counting as zeros." full="For every parameter in self.params, all_reduce its gradient in place with op='avg' (use grad_or_zeros, group=self.group, algo=self.algo)."
         for p in self.params:
             dist.all_reduce(grad_or_zeros(p), op="avg", group=self.group, algo=self.algo)
         # END SOLUTION
@@ -182,7 +182,7 @@ class BucketedDDP(_Replicated):
         """Called by the autograd engine the moment ``p.grad`` is complete for this backward."""
         if not self.require_sync:
             return  # no_sync(): let the gradient accumulate; the last micro-batch communicates
-        # BEGIN SOLUTION 2.2 "Add id(p) to its bucket's ready set (error if it is already there), then launch every full bucket in bucket order; poll with dist.progress_all() if self.poll."
+        # BEGIN SOLUTION 2.2 "Record that this parameter's gradient is complete (a second time before a sync is an error), then start every one of the buckets that is now complete, strictly in launch order, and help the async work along when asked to." full="Add id(p) to its bucket's ready set (error if it is already there), then launch every full bucket in bucket order; poll with dist.progress_all() if self.poll."
         bucket = self.bucket_of[id(p)]
         if id(p) in bucket.ready:
             raise RuntimeError(
@@ -204,7 +204,7 @@ class BucketedDDP(_Replicated):
 
     def finish_gradient_sync(self) -> None:
         """Launch what backward did not fill (unused parameters), then wait for every bucket."""
-        # BEGIN SOLUTION 2.2 "Mark every parameter of not-yet-launched buckets ready and launch them; then finish() every bucket and reset next_to_launch."
+        # BEGIN SOLUTION 2.2 "Start whatever backward left unfilled (parameters that got no gradient), wait until all the averaging is done and the results are back in place, and be set to begin the next backward from the first one again." full="Mark every parameter of not-yet-launched buckets ready and launch them; then finish() every bucket and reset next_to_launch."
         for bucket in self.buckets[self.next_to_launch :]:
             bucket.ready.update(id(p) for p in bucket.params)
         self._launch_full_buckets()
@@ -256,7 +256,7 @@ class ParameterServer(Wrapper):
         self._pull()
 
     def _push_and_update(self) -> None:
-        # BEGIN SOLUTION 2.4 "Workers send their flattened gradients to the server (tag _PUSH); the server receives one buffer per worker, adds them to its own in rank order, divides by the world size, writes them into .grad and calls optimizer.step()."
+        # BEGIN SOLUTION 2.4 "Gradients from all the others are pushed to the central process, which adds them to its own in a fixed order (not arrival order), averages, and alone updates the parameters." full="Workers send their flattened gradients to the server (tag _PUSH); the server receives one buffer per worker, adds them to its own in rank order, divides by the world size, writes them into .grad and calls optimizer.step()."
         grads = flatten([grad_or_zeros(p) for p in self.params])
         if self.rank != self.server:
             dist.send(grads, self.server, group=self.group, tag=_PUSH)
@@ -273,7 +273,7 @@ class ParameterServer(Wrapper):
         # END SOLUTION
 
     def _pull(self) -> None:
-        # BEGIN SOLUTION 2.4 "The server sends its flattened parameters to every worker (tag _PULL); each worker receives them and copies them into its parameters."
+        # BEGIN SOLUTION 2.4 "The central process hands its current parameters to all the others, which overwrite theirs with them, so every copy starts the next iteration equal." full="The server sends its flattened parameters to every worker (tag _PULL); each worker receives them and copies them into its parameters."
         if self.rank == self.server:
             flat = flatten([p.data for p in self.params])
             handles = [dist.isend(flat, w, group=self.group, tag=_PULL) for w in self.workers]

@@ -98,7 +98,7 @@ class ZeroStage1(ShardedWrapper):
     def _reduce_scatter(self, s, out=None, async_op: bool = False):
         """Average p.grad over the ranks; this rank keeps its piece (written into ``out`` if given)."""
         flat = s.p.grad.reshape(-1)
-        # BEGIN SOLUTION 3.1 "reduce_scatter flat with op='avg', sizes=s.sizes, group=self.group, out=out, async_op=async_op, and return the result."
+        # BEGIN SOLUTION 3.1 "Each rank ends with the average, over ranks, of its own piece of this gradient, written where the caller asks and, if asked, started without waiting." full="reduce_scatter flat with op='avg', sizes=s.sizes, group=self.group, out=out, async_op=async_op, and return the result."
         return dist.reduce_scatter(flat, op="avg", group=self.group, sizes=s.sizes, out=out, async_op=async_op)
         # END SOLUTION
 
@@ -110,7 +110,7 @@ class ZeroStage1(ShardedWrapper):
         gradients now, writing my piece into p.grad itself (a view: no extra memory)."""
         if not self.require_sync:
             return  # accumulate full gradients; the last micro-batch reduce-scatters
-        # BEGIN SOLUTION 3.1 "For every shard: zeros if p.grad is None; reduce-scatter it with out=s.my_piece(p.grad) and keep the piece in s.grad."
+        # BEGIN SOLUTION 3.1 "Make this rank's averaged gradient piece of every parameter final, stored inside the full gradient's own memory (no extra array); a parameter without a gradient counts as zeros." full="For every shard: zeros if p.grad is None; reduce-scatter it with out=s.my_piece(p.grad) and keep the piece in s.grad."
         for s in self.shards:
             if s.p.grad is None:
                 s.p.grad = xp.zeros_like(s.p.data)
@@ -126,7 +126,7 @@ class ZeroStage1(ShardedWrapper):
         for s in self.shards:
             if s.grad is None:
                 continue
-            # BEGIN SOLUTION 3.1 "Create s.state with optimizer.init_state on first use, then optimizer.update my piece of the parameter (self._param_piece(s)) with s.grad."
+            # BEGIN SOLUTION 3.1 "Step this rank's slice of the weights alone with the serial rule, creating the rule's memory for that slice (its moments) on first use." full="Create s.state with optimizer.init_state on first use, then optimizer.update my piece of the parameter (self._param_piece(s)) with s.grad."
             piece = self._param_piece(s)
             if s.state is None:
                 s.state = self.optimizer.init_state(piece)
@@ -137,7 +137,7 @@ class ZeroStage1(ShardedWrapper):
 
     def _after_update(self) -> None:
         for s in self.shards:
-            # BEGIN SOLUTION 3.1 "all_gather my piece (sizes=s.sizes) straight into p.data (out=p.data.reshape(-1))."
+            # BEGIN SOLUTION 3.1 "Rebuild the full weights on every rank from everyone's updated piece, in place, with no extra copy." full="all_gather my piece (sizes=s.sizes) straight into p.data (out=p.data.reshape(-1))."
             dist.all_gather(s.my_piece(s.p.data), group=self.group, sizes=s.sizes, out=s.p.data.reshape(-1))
             # END SOLUTION
 
@@ -162,7 +162,7 @@ class ZeroStage2(ZeroStage1):
     def _grad_ready(self, p) -> None:
         """The engine says p.grad is complete; start its reduce-scatter and free p.grad."""
         s = self.shard_of[id(p)]
-        # BEGIN SOLUTION 3.2 "If p.grad is None use zeros; launch an async reduce-scatter of p's gradient (self._reduce_scatter), append (s, work) to self.pending, then set p.grad = None."
+        # BEGIN SOLUTION 3.2 "As soon as this gradient is complete, start averaging it into pieces without waiting, note the work for the later sync, and let the full gradient go." full="If p.grad is None use zeros; launch an async reduce-scatter of p's gradient (self._reduce_scatter), append (s, work) to self.pending, then set p.grad = None."
         if p.grad is None:
             p.grad = xp.zeros_like(p.data)
         self.pending.append((s, self._reduce_scatter(s, async_op=True)))
@@ -216,7 +216,7 @@ class ZeroStage3(ZeroStage2):
     @contextlib.contextmanager
     def gathered(self, shards):
         """The full values of ``shards``' parameters for the with-block; freed afterwards."""
-        # BEGIN SOLUTION 3.3 "all_gather each shard's piece (sizes=s.sizes) and set s.p.data to the full array in s.shape; count the bytes in self.gathered_bytes (and peak); afterwards set p.data back to _EMPTY and uncount."
+        # BEGIN SOLUTION 3.3 "For the with-block only, every listed parameter holds its full value, assembled from all ranks' pieces, with the bytes held counted (and their high-water mark); afterwards, even on error, they hold nothing again." full="all_gather each shard's piece (sizes=s.sizes) and set s.p.data to the full array in s.shape; count the bytes in self.gathered_bytes (and peak); afterwards set p.data back to _EMPTY and uncount."
         for s in shards:
             s.p.data = dist.all_gather(s.data, group=self.group, sizes=s.sizes).reshape(s.shape)
             self.gathered_bytes += s.p.data.nbytes

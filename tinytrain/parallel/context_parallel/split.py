@@ -54,7 +54,7 @@ def chunk_ids(rank: int, n: int, split: str) -> list[int]:
     check_split(split)
     if split == "contiguous":
         return [rank]
-    # BEGIN SOLUTION 7.4 "Zigzag: one early chunk and its mirror image from the end, [rank, 2n − 1 − rank]."
+    # BEGIN SOLUTION 7.4 "Pair one early chunk with its mirror image counted from the end, so every member gets the same causal work." full="Zigzag: one early chunk and its mirror image from the end, [rank, 2n − 1 − rank]."
     return [rank, 2 * n - 1 - rank]
     # END SOLUTION
 
@@ -64,7 +64,7 @@ def positions(T: int, rank: int, n: int, split: str) -> numpy.ndarray:
     c = chunk_size(T, n, split)
     if split == "contiguous":
         return numpy.arange(rank * c, (rank + 1) * c)
-    # BEGIN SOLUTION 7.4 "Zigzag: the positions of each of chunk_ids(rank, n, split): chunk i is [i·c, (i+1)·c); concatenate them."
+    # BEGIN SOLUTION 7.4 "The sorted sequence positions covered by the chunks this member holds." full="Zigzag: the positions of each of chunk_ids(rank, n, split): chunk i is [i·c, (i+1)·c); concatenate them."
     return numpy.concatenate([numpy.arange(i * c, (i + 1) * c) for i in chunk_ids(rank, n, split)])
     # END SOLUTION
 

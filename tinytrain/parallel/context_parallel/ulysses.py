@@ -53,7 +53,7 @@ def seq_to_head(x, group, split):
     n = dist.get_world_size(group)
     B, H, Tl, D = x.shape
     check_heads(H, n)
-    # BEGIN SOLUTION 7.5 "Send head group p to rank p: (N, B, H/N, T/N, D) contiguous, all_to_all, then put the N position pieces side by side and sort them by position."
+    # BEGIN SOLUTION 7.5 "From this rank's positions of all heads to all positions (sorted along the sequence) of its share of the heads." full="Send head group p to rank p: (N, B, H/N, T/N, D) contiguous, all_to_all, then put the N position pieces side by side and sort them by position."
     h = H // n
     send = x.reshape(B, n, h, Tl, D).swapaxes(0, 1).copy()  # row block p: head group p
     got = dist.all_to_all(send, group=group)  # row block p: rank p's positions of my heads
@@ -67,7 +67,7 @@ def head_to_seq(y, group, split):
     """(B, H/N, T, D) all positions, my heads -> (B, H, T/N, D) my positions, all heads."""
     n = dist.get_world_size(group)
     B, h, T, D = y.shape
-    # BEGIN SOLUTION 7.5 "The inverse of seq_to_head: columns in gathered order (rank by rank), (N, B, H/N, T/N, D) contiguous, all_to_all, head groups side by side."
+    # BEGIN SOLUTION 7.5 "Exactly undo the sequence-to-head exchange: from all positions of my heads back to my positions of all heads." full="The inverse of seq_to_head: columns in gathered order (rank by rank), (N, B, H/N, T/N, D) contiguous, all_to_all, head groups side by side."
     Tl = T // n
     send = y[..., gathered_positions(T, n, split), :].reshape(B, h, n, Tl, D).transpose(2, 0, 1, 3, 4).copy()
     got = dist.all_to_all(send, group=group)  # row block p: my positions of rank p's heads
@@ -104,7 +104,7 @@ class HeadToSeq(Function):
 def alltoall_attention(q, k, v, group=None, split="zigzag", scale=None):
     """Causal attention of my positions' q, k, v (B, H, T/N, D) by two all-to-alls (see top)."""
     check_heads(q.shape[1], dist.get_world_size(group))
-    # BEGIN SOLUTION 7.5 "SeqToHead each of q, k, v; F.scaled_dot_product_attention(causal=True, scale=scale); HeadToSeq."
+    # BEGIN SOLUTION 7.5 "Trade sequence shards for head shards, run ordinary masked attention on the whole sequence locally, and trade back." full="SeqToHead each of q, k, v; F.scaled_dot_product_attention(causal=True, scale=scale); HeadToSeq."
     q, k, v = (SeqToHead.apply(t, group=group, split=split) for t in (q, k, v))
     y = F.scaled_dot_product_attention(q, k, v, causal=True, scale=scale)
     return HeadToSeq.apply(y, group=group, split=split)

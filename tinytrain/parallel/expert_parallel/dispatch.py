@@ -41,14 +41,14 @@ class AllToAll(Function):
 
     @staticmethod
     def forward(ctx, x, send_sizes=None, recv_sizes=None, group=None):
-        # BEGIN SOLUTION 6.3 "Remember the sizes and the group on ctx (backward needs them); dist.all_to_all of the contiguous x with send_sizes and recv_sizes over group."
+        # BEGIN SOLUTION 6.3 "Each rank's row blocks go to their destinations in the given, possibly uneven, split; remember the split for the way back." full="Remember the sizes and the group on ctx (backward needs them); dist.all_to_all of the contiguous x with send_sizes and recv_sizes over group."
         ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
         return dist.all_to_all(xp.ascontiguousarray(x), send_sizes, recv_sizes, group=group)
         # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 6.3 "The reverse exchange: all_to_all the gradient with the sizes swapped (what was sent comes home)."
+        # BEGIN SOLUTION 6.3 "The gradient of an exchange is the reverse exchange: what each rank received goes back to where it came from." full="The reverse exchange: all_to_all the gradient with the sizes swapped (what was sent comes home)."
         send_sizes, recv_sizes = ctx.sizes
         return (dist.all_to_all(xp.ascontiguousarray(grad), recv_sizes, send_sizes, group=ctx.group),)
         # END SOLUTION
@@ -83,7 +83,7 @@ def dropless(moe, rows, counts, group):
     outputs back, uneven splits. Returns (outputs in the order of ``rows``, send sizes, recv sizes)."""
     P, r = dist.get_world_size(group), dist.get_rank(group)
     per = moe.n_experts // P
-    # BEGIN SOLUTION 6.3 "counts.reshape(P, E/P): one block per destination; all_to_all it (equal splits) to learn what arrives; AllToAll the rows with uneven sizes, regroup by local expert (by_expert), run moe.run_experts on owned(r, E, P), undo the regrouping, AllToAll back with the sizes swapped."
+    # BEGIN SOLUTION 6.3 "First tell each owner how many assignments for each of its experts are coming, then ship them with uneven splits, have each owner run every local expert once on its arrivals, and return the results home in their original order." full="counts.reshape(P, E/P): one block per destination; all_to_all it (equal splits) to learn what arrives; AllToAll the rows with uneven sizes, regroup by local expert (by_expert), run moe.run_experts on owned(r, E, P), undo the regrouping, AllToAll back with the sizes swapped."
     mine = numpy.ascontiguousarray(counts.reshape(P, per).astype(numpy.int64))
     arriving = dist.all_to_all(mine, group=group)  # (P, E/P): rank p's rows for each of my experts
     send, recv = mine.sum(axis=1).tolist(), arriving.sum(axis=1).tolist()

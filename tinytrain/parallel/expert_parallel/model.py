@@ -147,7 +147,7 @@ class ExpertParallel:
         mine = [p for p in self._params if p.requires_grad]
         experts = [p for p in mine if self.is_expert(p)]
         dense_params = [p for p in mine if not self.is_expert(p)] if dense else []
-        # BEGIN SOLUTION 6.4 "Pack each list into one flat buffer (flatten adds a has-gradient flag per parameter: a missing gradient is zeros there). Dense: average over the EP group, then over the DP group (if any). Experts: average over the DP group, then divide by the EP size. unflatten leaves None where no rank had a gradient."
+        # BEGIN SOLUTION 6.4 "Make every gradient this rank updates equal the serial one: shared weights averaged over the whole data mesh, expert weights over their replicas and rescaled for the expert ranks; a gradient no rank had stays missing." full="Pack each list into one flat buffer (flatten adds a has-gradient flag per parameter: a missing gradient is zeros there). Dense: average over the EP group, then over the DP group (if any). Experts: average over the DP group, then divide by the EP size. unflatten leaves None where no rank had a gradient."
         if dense_params:
             flat = flatten(dense_params)
             dist.all_reduce(flat, op="avg", group=self.group)

@@ -44,7 +44,7 @@ def gate(moe, tokens, ep_group, dp_group=None):
     data group is the serial value and gradient; ``gathered`` holds every rank's counts per
     (choice, expert) and, in the last column, its token count."""
     E, k = moe.n_experts, moe.top_k
-    # BEGIN SOLUTION 6.1 "logits = moe.gate(tokens), probs = F.softmax; experts = nn.moe's top_k of the host probs; weights = moe.combine_weights. Counts per (choice, expert) plus my token count in column E, gather_over the data group; the global chosen counts and token count go into moe.router_loss(..., scale=D)."
+    # BEGIN SOLUTION 6.1 "Route this rank's rows with the serial layer's rules, and compute its share of the whole batch's balancing loss from the per-choice tallies and row counts of all ranks that share the batch, pooled in one small exchange." full="logits = moe.gate(tokens), probs = F.softmax; experts = nn.moe's top_k of the host probs; weights = moe.combine_weights. Counts per (choice, expert) plus my token count in column E, gather_over the data group; the global chosen counts and token count go into moe.router_loss(..., scale=D)."
     logits = moe.gate(tokens)
     probs = F.softmax(logits, axis=-1)
     experts = top_k(to_host(probs.data), k)
@@ -73,7 +73,7 @@ def keep(moe, experts, gathered, me: int) -> numpy.ndarray:
     capacity = global_capacity(moe, gathered)
     if capacity is None:
         return numpy.ones(experts.shape, dtype=bool)
-    # BEGIN SOLUTION 6.2 "counts = gathered[:, :, :E] (ranks, choice, expert). ahead[s, e] = every rank's choices s' < s to e + lower ranks' choice s to e; queue_positions(experts, ahead) < capacity."
+    # BEGIN SOLUTION 6.2 "Keep exactly the assignments the serial layer keeps on the whole batch: an assignment's place in its queue comes after all earlier choice levels everywhere, then this level on lower data ranks." full="counts = gathered[:, :, :E] (ranks, choice, expert). ahead[s, e] = every rank's choices s' < s to e + lower ranks' choice s to e; queue_positions(experts, ahead) < capacity."
     counts = gathered[:, :, : moe.n_experts]
     total = counts.sum(axis=0)  # (k, E) over the whole batch
     ahead = numpy.cumsum(total, axis=0) - total + counts[:me].sum(axis=0)

@@ -38,14 +38,14 @@ def message_tag(microbatch: int, boundary: int, n_virtual: int, backward: bool) 
 
 def send_activation(output: Tensor, dst: int, tag: int, group=None):
     """Forward: hand this stage's output to the next stage (non-blocking; keep the handle)."""
-    # BEGIN SOLUTION 5.1 "isend the output's array; backward starts from this tensor later, so keep it."
+    # BEGIN SOLUTION 5.1 "Start handing this stage's activation to the next stage without blocking; the caller waits later on what you return." full="isend the output's array; backward starts from this tensor later, so keep it."
     return dist.isend(output.data, dst, group=group, tag=tag)
     # END SOLUTION
 
 
 def recv_activation(shape, dtype, src: int, tag: int, group=None) -> Tensor:
     """Forward: receive the previous stage's output as a new autograd leaf that wants a gradient."""
-    # BEGIN SOLUTION 5.1 "Receive into a fresh buffer and wrap it as Tensor(..., requires_grad=True)."
+    # BEGIN SOLUTION 5.1 "The previous stage's activation arrives into new memory and becomes a fresh leaf of this stage's graph, one that collects a gradient." full="Receive into a fresh buffer and wrap it as Tensor(..., requires_grad=True)."
     buffer = xp.empty(shape, dtype=dtype)
     dist.recv(buffer, src, group=group, tag=tag)
     return Tensor(buffer, requires_grad=True)
@@ -54,14 +54,14 @@ def recv_activation(shape, dtype, src: int, tag: int, group=None) -> Tensor:
 
 def send_gradient(received: Tensor, dst: int, tag: int, group=None):
     """Backward: after backward reached the received leaf, its .grad goes to the previous stage."""
-    # BEGIN SOLUTION 5.1 "The leaf's .grad is d(loss)/d(previous stage's output): isend it."
+    # BEGIN SOLUTION 5.1 "Once backward has reached the leaf, start handing its gradient, d(loss)/d(previous stage's activation), back upstream without blocking." full="The leaf's .grad is d(loss)/d(previous stage's output): isend it."
     return dist.isend(received.grad, dst, group=group, tag=tag)
     # END SOLUTION
 
 
 def recv_gradient(output: Tensor, src: int, tag: int, group=None):
     """Backward: receive d(loss)/d(output) from the next stage, shaped like this stage's output."""
-    # BEGIN SOLUTION 5.1 "Receive an array shaped like output.data and return it."
+    # BEGIN SOLUTION 5.1 "Wait for the next stage's gradient of this stage's activation, in an array of the same shape and type." full="Receive an array shaped like output.data and return it."
     grad = xp.empty_like(output.data)
     dist.recv(grad, src, group=group, tag=tag)
     return grad

@@ -45,7 +45,7 @@ def _check(stages: int, microbatches: int, chunks: int = 1) -> None:
 def gpipe(stages: int, microbatches: int) -> list[list[Action]]:
     """All forwards, then all backwards, on every stage."""
     _check(stages, microbatches)
-    # BEGIN SOLUTION 5.2 "Every stage: F0..F(m-1), then B0..B(m-1)."
+    # BEGIN SOLUTION 5.2 "Every stage runs all forward passes in micro-batch order, then all backward passes in the same order." full="Every stage: F0..F(m-1), then B0..B(m-1)."
     return [
         [Action("F", i) for i in range(microbatches)] + [Action("B", i) for i in range(microbatches)]
         for _ in range(stages)
@@ -56,7 +56,7 @@ def gpipe(stages: int, microbatches: int) -> list[list[Action]]:
 def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
     """Warm up with p-1-s forwards, then alternate one forward and one backward, then drain."""
     _check(stages, microbatches)
-    # BEGIN SOLUTION 5.3 "Stage s: min(p-1-s, m) warm-up forwards, then pairs (F next, B oldest), then the remaining B."
+    # BEGIN SOLUTION 5.3 "Each stage runs only as many forwards ahead as it has successors in the pipe, then alternates one forward with one backward, then drains, so it never holds more than p - s micro-batches." full="Stage s: min(p-1-s, m) warm-up forwards, then pairs (F next, B oldest), then the remaining B."
     schedule = []
     for s in range(stages):
         warmup = min(stages - 1 - s, microbatches)
@@ -83,7 +83,7 @@ def interleaved_1f1b(stages: int, microbatches: int, chunks: int) -> list[list[A
             f"{microbatches} micro-batches is not a multiple of {stages}: "
             f"choose e.g. {stages * max(1, microbatches // stages)}"
         )
-    # BEGIN SOLUTION 5.4 "Number the passes k = 0..m·v-1: chunk (k mod pv)//p, micro-batch (k//pv)·p + k mod p; backwards reverse the chunk; warm-up 2(p-1-s) + (v-1)p."
+    # BEGIN SOLUTION 5.4 "1F1B over virtual stages: micro-batches move in groups of p through each model part in turn, backwards visit the parts in reverse, and a deeper warm-up keeps the pipe full." full="Number the passes k = 0..m·v-1: chunk (k mod pv)//p, micro-batch (k//pv)·p + k mod p; backwards reverse the chunk; warm-up 2(p-1-s) + (v-1)p."
     total = microbatches * chunks
     group = stages * chunks
 

@@ -35,7 +35,7 @@ class VocabParallelCrossEntropy(Function):
 
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start, ignore_index=-100, denominator=None):
-        # BEGIN SOLUTION 4.4 "all_reduce max of row maxes, all_reduce sum of exp, all_reduce the target logit; keep probs for backward."
+        # BEGIN SOLUTION 4.4 "The mean loss over non-ignored positions from vocabulary-split scores, never building the full ones: a global max for stability, the global softmax normaliser, and the correct class's score from whichever rank owns it; keep the softmax for backward." full="all_reduce max of row maxes, all_reduce sum of exp, all_reduce the target logit; keep probs for backward."
         flat = logits.reshape(-1, logits.shape[-1])
         tgt = targets.reshape(-1)
         valid = tgt != ignore_index
@@ -59,7 +59,7 @@ class VocabParallelCrossEntropy(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.4 "d/dlogits_r = (probs_r - onehot_r(target)) · valid · grad / denom; no talk."
+        # BEGIN SOLUTION 4.4 "Purely on this rank: the gradient of the scores it holds is its softmax minus the one-hot of the correct class (where it owns it), on non-ignored positions, scaled by the incoming gradient over the divisor." full="d/dlogits_r = (probs_r - onehot_r(target)) · valid · grad / denom; no talk."
         probs, local, mine, valid = ctx.saved
         g = probs.copy()
         g[xp.arange(g.shape[0]), local] -= mine.astype(g.dtype)  # the target column, where I own it

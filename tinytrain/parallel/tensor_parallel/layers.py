@@ -154,7 +154,7 @@ class Parallel(Module):
         global batch come from ``random.batch_rows``, which the data-parallel layout sets."""
         if not self.sequence_parallel:  # plain TP: every rank holds the whole sequence, and its mask
             return F.dropout(x, p, training, site=self.dropout_site)
-        # BEGIN SOLUTION 4.5 "Under SP: functional.dropout with site=self.dropout_site and seq_shard=(my rank, group size)."
+        # BEGIN SOLUTION 4.5 "Under sequence parallelism, apply this rank's positions of the mask the serial module draws for the full shape." full="Under SP: functional.dropout with site=self.dropout_site and seq_shard=(my rank, group size)."
         seq_shard = (dist.get_rank(self.group), dist.get_world_size(self.group))
         return F.dropout(x, p, training, site=self.dropout_site, seq_shard=seq_shard)
         # END SOLUTION
@@ -174,7 +174,7 @@ class ColumnParallelLinear(Parallel):
         self.keep("bias", None if linear.bias is None else shard(linear.bias, 0, group, join(name, "bias")))
 
     def forward(self, x):
-        # BEGIN SOLUTION 4.2 "enter(x) (copy, or all-gather under SP), local linear, gather_output: GatherFromRegion."
+        # BEGIN SOLUTION 4.2 "Each rank computes its own output features from the whole input (entering the region once), and joins them into the full output only when asked to." full="enter(x) (copy, or all-gather under SP), local linear, gather_output: GatherFromRegion."
         y = F.linear(self.enter(x), self.weight, self.bias)
         return GatherFromRegion.apply(y, group=self.group) if self.gather_output else y
         # END SOLUTION
@@ -192,7 +192,7 @@ class RowParallelLinear(Parallel):
         )
 
     def forward(self, x):
-        # BEGIN SOLUTION 4.2 "Local partial product, then leave() (all-reduce or reduce-scatter); add the bias once, after."
+        # BEGIN SOLUTION 4.2 "Multiply this rank's slice of the input features by its rows, combine the partial results on leaving the region, and only then add the replicated additive term, so that it counts once." full="Local partial product, then leave() (all-reduce or reduce-scatter); add the bias once, after."
         y = self.leave(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
         # END SOLUTION
@@ -211,7 +211,7 @@ class ParallelMLP(Parallel):
         self.p, self.dropout_site = mlp.dropout.p, join(name, "dropout")
 
     def forward(self, x):
-        # BEGIN SOLUTION 4.3 "fc_1, gelu, fc_2, then self.dropout(y, self.p, self.training)."
+        # BEGIN SOLUTION 4.3 "The serial MLP on this rank's hidden columns: expand, nonlinearity, project back, then the serial-matching random mask; no talk in between." full="fc_1, gelu, fc_2, then self.dropout(y, self.p, self.training)."
         return self.dropout(self.fc_2(F.gelu(self.fc_1(x))), self.p, self.training)
         # END SOLUTION
 
@@ -230,7 +230,7 @@ class ParallelAttention(Parallel):
         self.attention_fn = None  # None: causal attention on my heads; context parallel sets its own
 
     def forward(self, x):
-        # BEGIN SOLUTION 4.3 "Enter once (q, k, v share it), local linears, my n_head/t heads, attend(self.attention_fn, q, k, v), proj, dropout."
+        # BEGIN SOLUTION 4.3 "Attention with each head wholly on one rank: go into the region a single time for all three projections, compute attention on this rank's share, then the output projection and the serial-matching random mask." full="Enter once (q, k, v share it), local linears, my n_head/t heads, attend(self.attention_fn, q, k, v), proj, dropout."
         x = self.enter(x)  # once, not per projection: one all-reduce (or all-gather) for all three
         heads = []
         for linear in (self.q, self.k, self.v):
@@ -286,7 +286,7 @@ class VocabParallelEmbedding(Parallel):
         self.keep("weight", shard(embedding.weight, 0, group, join(name, "weight")))
 
     def forward(self, ids):
-        # BEGIN SOLUTION 4.4 "Mask ids outside [start, stop), look up ids - start (0 where masked), zero masked rows, ReduceFromRegion."
+        # BEGIN SOLUTION 4.4 "Look up only the tokens whose table rows this rank holds, zeros for the rest, so that summing over ranks gives every token its vector exactly once." full="Mask ids outside [start, stop), look up ids - start (0 where masked), zero masked rows, ReduceFromRegion."
         mine = (ids >= self.start) & (ids < self.stop)
         local = F.embedding(xp.where(mine, ids - self.start, 0), self.weight)
         local = local * Tensor(mine[..., None].astype(local.dtype))

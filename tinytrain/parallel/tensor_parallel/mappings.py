@@ -71,14 +71,14 @@ class CopyToRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # BEGIN SOLUTION 4.1 "Forward: nothing to do. Remember the group for backward."
+        # BEGIN SOLUTION 4.1 "Entering the region changes nothing on the way in; keep what the way back needs." full="Forward: nothing to do. Remember the group for backward."
         ctx.group = group
         return x
         # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.1 "Each rank's dx covers only its columns' paths: sum them (all-reduce)."
+        # BEGIN SOLUTION 4.1 "Each rank's input gradient covers only the paths through its own columns: every rank needs their total." full="Each rank's dx covers only its columns' paths: sum them (all-reduce)."
         return all_reduce_copy(grad, ctx.group), None
         # END SOLUTION
 
@@ -88,13 +88,13 @@ class ReduceFromRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # BEGIN SOLUTION 4.1 "Sum the t partial outputs (all-reduce a copy)."
+        # BEGIN SOLUTION 4.1 "Every rank leaves the region with the total of the t partial outputs, without touching an array autograd still holds." full="Sum the t partial outputs (all-reduce a copy)."
         return all_reduce_copy(x, group)
         # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.1 "Every rank's partial output fed the whole sum: it gets the whole gradient."
+        # BEGIN SOLUTION 4.1 "Each partial output fed the whole total, so its gradient is the incoming one, unchanged." full="Every rank's partial output fed the whole sum: it gets the whole gradient."
         return grad, None
         # END SOLUTION
 
@@ -104,14 +104,14 @@ class GatherFromRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # BEGIN SOLUTION 4.1 "All-gather along axis -1 (all_gather_along moves it to the front)."
+        # BEGIN SOLUTION 4.1 "Assemble the full feature dimension from every rank's columns, in rank order, and keep what the way back needs." full="All-gather along axis -1 (all_gather_along moves it to the front)."
         ctx.group = group
         return all_gather_along(x, -1, group)
         # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.1 "Only my columns came from me: keep my piece of the last axis."
+        # BEGIN SOLUTION 4.1 "The whole tensor was the same everywhere, so only this rank's columns of its gradient flow back, and nothing is sent." full="Only my columns came from me: keep my piece of the last axis."
         return my_piece(grad, -1, ctx.group), None
         # END SOLUTION
 
@@ -121,14 +121,14 @@ class ScatterToRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # BEGIN SOLUTION 4.1 "Keep my piece of the last axis."
+        # BEGIN SOLUTION 4.1 "Each rank goes on with only its own block of the features; keep what the way back needs." full="Keep my piece of the last axis."
         ctx.group = group
         return my_piece(x, -1, group)
         # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.1 "Each piece's gradient is on its rank: all-gather them along axis -1."
+        # BEGIN SOLUTION 4.1 "Each rank holds the gradient of its own columns only; every rank needs all of them, side by side." full="Each piece's gradient is on its rank: all-gather them along axis -1."
         return all_gather_along(grad, -1, ctx.group), None
         # END SOLUTION
 
@@ -141,14 +141,14 @@ class GatherFromSequenceRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # BEGIN SOLUTION 4.5 "All-gather along the sequence axis 1."
+        # BEGIN SOLUTION 4.5 "From sequence shards to the whole sequence on every rank, in position order; keep what the way back needs." full="All-gather along the sequence axis 1."
         ctx.group = group
         return all_gather_along(x, 1, group)
         # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.5 "Every rank's grad is partial (its columns): reduce-scatter along axis 1."
+        # BEGIN SOLUTION 4.5 "Each rank's gradient of the whole sequence is partial; each keeps the total for its own positions only." full="Every rank's grad is partial (its columns): reduce-scatter along axis 1."
         return reduce_scatter_along(grad, 1, ctx.group), None
         # END SOLUTION
 
@@ -158,14 +158,14 @@ class ReduceScatterToSequenceRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # BEGIN SOLUTION 4.5 "Reduce-scatter along the sequence axis 1."
+        # BEGIN SOLUTION 4.5 "The partial outputs are summed and each rank keeps only its own positions of the total; keep what the way back needs." full="Reduce-scatter along the sequence axis 1."
         ctx.group = group
         return reduce_scatter_along(x, 1, group)
         # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.5 "Every partial sum needs the whole gradient: all-gather along axis 1."
+        # BEGIN SOLUTION 4.5 "Every rank's partial output fed the total at all positions, so each needs the gradient of the whole sequence." full="Every partial sum needs the whole gradient: all-gather along axis 1."
         return all_gather_along(grad, 1, ctx.group), None
         # END SOLUTION
 
@@ -175,13 +175,13 @@ class ScatterToSequenceRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # BEGIN SOLUTION 4.5 "Keep my piece of the sequence axis 1."
+        # BEGIN SOLUTION 4.5 "Each rank goes on with only its own positions of the sequence; keep what the way back needs." full="Keep my piece of the sequence axis 1."
         ctx.group = group
         return my_piece(x, 1, group)
         # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.5 "All-gather the pieces' gradients along axis 1."
+        # BEGIN SOLUTION 4.5 "Put the positions' gradients, each on its owner, back together into the whole sequence on every rank." full="All-gather the pieces' gradients along axis 1."
         return all_gather_along(grad, 1, ctx.group), None
         # END SOLUTION
