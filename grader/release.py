@@ -93,9 +93,7 @@ def student_readme(rubric) -> str:
     rows = []
     for a in rubric.assignments.values():
         files = a.file + ("/" if len(a.files) > 1 else "")
-        tasks = ", ".join(
-            t.id + (f" (requires {', '.join(t.requires)})" if t.requires else "") for t in a.tasks
-        )
+        tasks = ", ".join(t.id + (f" (requires {', '.join(t.requires)})" if t.requires else "") for t in a.tasks)
         rows.append(f"| {a.id} {a.title} | `{files}` | `{a.handout}` | {tasks} |")
     return STUDENT_README.format(rows="\n".join(rows))
 
