@@ -243,7 +243,8 @@ _TODO_IN_OUTPUT = re.compile(r"NotImplementedError: (TODO \d+\.\d+)\b")
 
 def todo_in_output(rep) -> str | None:
     """The first ``TODO x.y`` (with its task's title) a failed test's output shows a program raising."""
-    m = _TODO_IN_OUTPUT.search(str(rep.longrepr) + "".join(text for _, text in rep.sections))
+    text = str(rep.longrepr) + "".join(text for _, text in rep.sections)
+    m = _TODO_IN_OUTPUT.search(re.sub(r"\x1b\[[0-9;]*m", "", text))  # a notebook's traceback has colours
     if m is None:
         return None
     task = _rubric.tasks.get(m.group(1).removeprefix("TODO "))
