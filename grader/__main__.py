@@ -23,6 +23,7 @@ from pathlib import Path
 
 from . import guard, report
 from .config import ROOT, is_release, load_rubric
+from .exits import GRADER_BUDGET
 from .run import RunOptions, harness_deadline, run_tests
 from .stubs import HINT_LEVELS
 
@@ -54,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout",
         type=float,
-        default=60.0,
+        default=GRADER_BUDGET,
         help="budget of one test in seconds (default 60): the harness ends a test at 70%% of it with every "
         "rank's Python stacks; the grader kills a run that is still going at 100%%",
     )

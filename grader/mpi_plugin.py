@@ -23,7 +23,8 @@ pytest over the same tests in the same order; this plugin coordinates them:
   and ``TINYTRAIN_DEBUG=1`` (collective signatures cross-checked).
 * **No hang, anywhere.** Every wait of the harness itself polls with a deadline. A watchdog thread
   on every rank bounds each whole test (setup, call, teardown and the outcome agreement) by
-  ``TINYTRAIN_TEST_TIMEOUT`` seconds (default 180): past it -- a rank stuck in pure Python, in a
+  ``TINYTRAIN_TEST_TIMEOUT`` seconds (default: the grader's 42 for a graded test, 180 for any
+  other): past it -- a rank stuck in pure Python, in a
   blocking MPI call, in a collective the others never reach -- every rank prints its Python stacks
   (``faulthandler``) with the test's replay seed, and the job is aborted with exit status 87
   (``EXIT_DEADLINE``). Every rank arms it when the test starts, so all ranks print.
@@ -48,7 +49,7 @@ os.environ.setdefault("TINYTRAIN_DEBUG", "1")
 import pytest  # noqa: E402
 from _pytest.runner import runtestprotocol  # noqa: E402
 
-from .exits import DEADLINE_BANNER, EXIT_DEADLINE, EXIT_ERROR  # noqa: E402
+from .exits import DEADLINE_BANNER, EXIT_DEADLINE, EXIT_ERROR, GRADED_DEADLINE  # noqa: E402
 
 _TAG = 11
 _GRACE = 2.0  # seconds an expiring rank waits after printing its stacks, so the others print theirs
@@ -84,11 +85,14 @@ def pytest_configure(config):
 
 def test_deadline(item=None) -> float:
     """Seconds one test may take on any rank, agreement included: ``@pytest.mark.deadline(s)`` for
-    a test known to be long (one that runs the grader), else ``TINYTRAIN_TEST_TIMEOUT`` (180)."""
+    a test known to be long (one that runs the grader), else ``TINYTRAIN_TEST_TIMEOUT``, by default
+    the grader's deadline for a graded test (42 s: a student's endless loop ends as soon under
+    pytest as under ``python -m grader``) and 180 s for any other."""
     marker = item.get_closest_marker("deadline") if item is not None else None
     if marker is not None:
         return float(marker.args[0])
-    return float(os.environ.get("TINYTRAIN_TEST_TIMEOUT", "180"))
+    graded = item is not None and item.get_closest_marker("task") is not None
+    return float(os.environ.get("TINYTRAIN_TEST_TIMEOUT", GRADED_DEADLINE if graded else 180))
 
 
 _ABORT_GRACE = 0.3  # seconds

@@ -48,7 +48,28 @@ def _short(message: str) -> str:
             line += f" ({where.group(1).rsplit('/', 1)[-1]}, line {where.group(2)})"
     line = re.sub(r"^(\[rank \d+\] )?(AssertionError|Failed): ", r"\1", line)
     line = re.sub(r"^(\[rank \d+\] )?(?:[a-z_]\w*\.)+([A-Z]\w*): ", r"\1\2: ", line)  # module path of the class
-    return re.sub(r"^\[rank (\d+)\] (rank \1: )", r"\2", line)  # "[rank 2] rank 2: ..." says it twice
+    line = re.sub(r"^\[rank (\d+)\] (rank \1: )", r"\2", line)  # "[rank 2] rank 2: ..." says it twice
+    extra = [x for x in decisive_lines(message) if x not in line]
+    return " -- ".join([line, *extra])
+
+
+# Lines of an assertion's output that carry its numbers: pytest's rewritten comparison, a dict's
+# differing items, numpy's mismatch counts and shapes. The summary keeps them after the first line.
+_DECISIVE = re.compile(
+    r"^(assert .*|E?\s*\{.*\} != \{.*\}|.*\(shapes .* mismatch\).*|Mismatched elements: .*|"
+    r"Max absolute difference.*|Max relative difference.*)$"
+)
+
+
+def decisive_lines(message: str, most: int = 3) -> list[str]:
+    """The lines of a failure that say by how much it failed (numbers, shapes, a differing row)."""
+    found = []
+    for line in message.strip().splitlines()[1:]:
+        line = line.strip().removeprefix("E").strip()
+        elided = line.startswith("assert ") and "..." in line  # pytest's shortened dicts: the != line says it
+        if _DECISIVE.match(line) and not elided and line not in found:
+            found.append(textwrap.shorten(line, 160, placeholder=" ..."))
+    return found[:most]
 
 
 def _name(result: TestResult) -> str:

@@ -24,8 +24,10 @@ that run down: a hang, an endless loop, a segfault, an ``MPI_Abort``. So:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -36,9 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ROOT
-from .exits import DEADLINE_BANNER, EXIT_DEADLINE, EXIT_ERROR
-
-HARNESS_SHARE = 0.7  # the harness's per-test deadline, as a share of the grader's budget
+from .exits import DEADLINE_BANNER, EXIT_DEADLINE, EXIT_ERROR, GRADER_BUDGET, HARNESS_SHARE
 PYTEST_STATUSES = (0, 1, 5)  # all passed, some failed, none collected
 
 
@@ -58,7 +58,7 @@ class RunOptions:
     impl: str = "assignments"
     tasks: list[str] = field(default_factory=list)  # task ids to run
     assignments: str | None = None  # --assignments DIR
-    timeout: float = 60.0  # the budget: seconds one test may take before the run is called hung
+    timeout: float = GRADER_BUDGET  # the budget: seconds one test may take before the run is called hung
     comm_timeout: float = 10.0  # TINYTRAIN_TIMEOUT for the graded run
     tests: str = "tests/graded"
     progress: object = None  # callable(done, total, result) or None
@@ -78,6 +78,7 @@ def _command(opts: RunOptions, log: Path, nodeids: list[str] | None) -> list[str
         )
     cmd = [
         mpirun,
+        *(["-print-all-exitcodes"] if _is_hydra(mpirun) else []),  # names a rank that dies without Python
         "-n",
         str(opts.ranks),
         sys.executable,
@@ -95,6 +96,40 @@ def _command(opts: RunOptions, log: Path, nodeids: list[str] | None) -> list[str
     if opts.assignments:
         cmd += ["--assignments", str(opts.assignments)]
     return cmd + (nodeids if nodeids else [opts.tests])
+
+
+@functools.cache
+def _is_hydra(mpirun: str) -> bool:
+    """Is this MPICH's launcher (hydra, which the mpich wheel brings)? It can print every rank's exit code."""
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "HYDRA" in out.stdout + out.stderr
+
+
+_EXIT_CODES = re.compile(r"Exit codes: \[[^\]]*\] ([\d,]+)")
+
+
+def dead_ranks(output: str) -> str:
+    """Which rank ended without Python (os._exit, a signal), from hydra's exit codes in rank order:
+    a wait status (768 = exited with 3), a signal number (11 = SIGSEGV), 9 for the ranks that hydra
+    itself killed once one was gone. '' when the output does not tell."""
+    m = _EXIT_CODES.search(output)
+    if m is None:
+        return ""
+    codes = [int(c) for c in m.group(1).split(",")]
+    culprits = [(r, c) for r, c in enumerate(codes) if c not in (0, 9)] or [(r, c) for r, c in enumerate(codes) if c]
+
+    def how(code: int) -> str:
+        if code >= 256:
+            return f"exited with status {code >> 8} (os._exit, or exit() in C code)"
+        try:
+            return f"was killed by signal {code} ({signal.Signals(code).name})"
+        except ValueError:
+            return f"ended with code {code}"
+
+    return "; ".join(f"rank {r} {how(c)}" for r, c in culprits)
 
 
 def _read(log: Path, pos: int) -> tuple[list[dict], int]:
@@ -154,7 +189,10 @@ def _one_run(opts: RunOptions, nodeids: list[str] | None, workdir: Path, on_even
     if ended == "finished":
         ended = _how_it_ended(proc.returncode, bool(logged_end), opts.timeout)
     out.seek(0)
-    return ended, out.read()[-OUTPUT_TAIL:]
+    text = out.read()
+    if ended.startswith("crashed") and dead_ranks(text):
+        ended = f"crashed: {dead_ranks(text)}, before the tests finished (mpirun exited with status {proc.returncode})"
+    return ended, text[-OUTPUT_TAIL:]
 
 
 STARTUP_BUDGET = 120.0  # seconds mpirun may take to start and collect the tests (imports on a busy machine)

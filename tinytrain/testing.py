@@ -25,6 +25,28 @@ def _host(a) -> numpy.ndarray:
     return to_host(a.data if isinstance(a, Tensor) else a)
 
 
+def assert_same_kind(actual, expected, what: str, dtype=None) -> None:
+    """Assert ``actual`` has ``expected``'s shape and dtype (or ``dtype``, when the expected values
+    were computed in another precision), naming both: a float64 leak, a transposed or flattened
+    result, a missing axis fail here with what to look at, before any value is compared."""
+    a = actual.data if isinstance(actual, Tensor) else actual
+    e = expected.data if isinstance(expected, Tensor) else expected
+    got_dtype, want_dtype = (
+        numpy.dtype(getattr(a, "dtype", type(a))),
+        numpy.dtype(dtype or getattr(e, "dtype", type(e))),
+    )
+    got_shape, want_shape = tuple(getattr(a, "shape", ())), tuple(getattr(e, "shape", ()))
+    if got_shape != want_shape or got_dtype != want_dtype:
+        raise AssertionError(
+            f"{what}: got dtype {got_dtype} and shape {got_shape}, expected dtype {want_dtype} and shape {want_shape}"
+            + (
+                " (keep the input's dtype: an operation with a float64 array or scalar promotes)"
+                if got_dtype != want_dtype
+                else ""
+            )
+        )
+
+
 def gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-4, seed=0, what="") -> bool:
     """Check ``backward()`` of ``fn(*inputs)`` against float64 central differences.
 
@@ -149,7 +171,9 @@ def clean_factor(actual, expected, n: int) -> str:
 
 def assert_matches_serial(actual, expected, n: int, what: str, atol=1e-6, rtol=1e-5) -> None:
     """Assert ``actual`` (a parallel run's value) matches ``expected`` (the serial run's) within
-    ``atol + rtol * |expected|``; otherwise say by how much, and the factor when it is a clean one."""
+    ``atol + rtol * |expected|``; otherwise say by how much, and the factor when it is a clean one.
+    The shape and dtype must be the serial run's (:func:`assert_same_kind`)."""
+    assert_same_kind(actual, expected, what)
     a = _host(actual).astype(numpy.float64)
     e = _host(expected).astype(numpy.float64)
     if a.shape == e.shape and numpy.allclose(a, e, rtol=rtol, atol=atol):

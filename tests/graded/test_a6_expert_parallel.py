@@ -20,12 +20,20 @@ from tinytrain.autograd import Tensor
 from tinytrain.backend import to_host, xp
 from tinytrain.nn import GPT, GPTConfig, MoE
 from tinytrain.nn.moe import dispatch_order, route, slot_counts
+from tinytrain.testing import assert_same_kind
 
 N = 4  # the world of these tests: EP 4, or dp 2 × ep 2
 
 
 def host(a):
     return to_host(a.data if isinstance(a, Tensor) else a)
+
+
+def close(got, want, what, rtol=1e-7, atol=0.0, dtype=None):
+    """Shape and dtype (``dtype`` when the expected values were computed in another) first -- a
+    float64 leak, a lost axis -- then the values."""
+    assert_same_kind(got, want, what, dtype=dtype)
+    np.testing.assert_allclose(host(got), host(want), rtol=rtol, atol=atol, err_msg=what)
 
 
 def drawn_layer(
@@ -105,7 +113,7 @@ def test_gate_matches_the_serial_layer_on_the_whole_batch(impl, skewed):
     xm = Tensor(xp.asarray(x[mine]), requires_grad=True)
     experts, weights, aux, gathered = ep.gate(moe, xm, dist.world())
     assert np.array_equal(np.asarray(experts), experts_all[mine]), f"top-{moe.top_k} choices of my tokens, {what}"
-    np.testing.assert_allclose(host(weights), host(want_w)[mine], rtol=1e-10, err_msg=f"combine weights, {what}")
+    close(weights, host(want_w)[mine], f"combine weights, {what}", rtol=1e-10)
     counts = np.asarray(gathered)
     assert counts.shape == (N, moe.top_k, moe.n_experts + 1), f"gathered counts shape {counts.shape}, {what}"
     for r in range(N):
@@ -211,7 +219,7 @@ def test_dropless_dispatch_runs_every_row_on_its_expert_and_sends_the_formula(im
         if order.size
         else np.zeros((0, x.shape[1]))
     )
-    np.testing.assert_allclose(host(out), want, rtol=1e-10, atol=1e-12, err_msg=f"expert outputs back home, {what}")
+    close(out, want, f"expert outputs back home, {what}", rtol=1e-10, atol=1e-12)
     per = E // N
     sent = np.bincount(experts.reshape(-1) // per, minlength=N)
     all_sent = np.stack([np.bincount(experts_all[my_rows(x, p)].reshape(-1) // per, minlength=N) for p in range(N)])
@@ -227,7 +235,7 @@ def test_dropless_dispatch_runs_every_row_on_its_expert_and_sends_the_formula(im
     for i, (t, e) in enumerate(zip(order, experts.reshape(-1)[order])):
         leaf = Tensor(xp.asarray(x[mine][t // k][None]), requires_grad=True)
         (moe.experts[int(e)](leaf) * xp.asarray(up[i][None])).sum().backward()
-        np.testing.assert_allclose(host(rows.grad)[i], host(leaf.grad)[0], rtol=1e-9, atol=1e-12, err_msg=what)
+        close(host(rows.grad)[i], host(leaf.grad)[0], f"gradient of dispatched row {i}, {what}", rtol=1e-9, atol=1e-12)
 
 
 # --- 6.4 gradients on a dp × ep mesh ---------------------------------------------------------------------
@@ -273,6 +281,5 @@ def test_sync_gradients_dense_over_the_data_group_experts_over_dp(impl):
             assert p.grad is None, f"{name}: no rank had a gradient, so none after sync (seed {seed})"
             continue
         want = sum(piece(g, i) for g in present) * scale
-        np.testing.assert_allclose(
-            host(p.grad), want, rtol=1e-6, atol=1e-7, err_msg=f"{name} on rank {r} (seed {seed})"
-        )
+        what = f"{name}'s gradient on rank {r} (seed {seed})"
+        close(p.grad, want, what, rtol=1e-6, atol=1e-7, dtype=p.data.dtype)

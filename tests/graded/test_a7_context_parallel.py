@@ -23,6 +23,7 @@ from tinytrain import functional as F
 from tinytrain.autograd import Tensor
 from tinytrain.backend import to_host, xp
 from tinytrain.nn import GPT, GPTConfig
+from tinytrain.testing import assert_same_kind
 
 N = 4  # the CP group: the whole world of these tests
 
@@ -42,6 +43,7 @@ def leaf(a):
 
 
 def close(got, want, what, rtol=1e-9, atol=1e-11):
+    assert_same_kind(got, want, what)
     np.testing.assert_allclose(host(got), to_host(want), rtol=rtol, atol=atol, err_msg=what)
 
 

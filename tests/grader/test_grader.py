@@ -249,3 +249,27 @@ def test_bad_input_is_one_sentence_with_exit_code_2(args, message):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_rank_that_dies_without_python_is_named(tmp_path):
+    """os._exit on rank 2 inside task 1.4: the task's failure names rank 2 and how it ended."""
+    text = insert_after_docstring(
+        assignment_text(A1, RUBRIC, solved=True), "_all_to_all_pairwise", "import os; os._exit(3) if c.rank == 2 else None"
+    )
+    folder = tmp_path / "exits"
+    folder.mkdir()
+    (folder / Path(A1.file).name).write_text(text)
+    results, out = grade(tmp_path, "--assignments", str(folder), "--tasks", "1.4")
+    row = by_task(results)["1.4"]
+    assert "crashed: rank 2 exited with status 3" in row["output"], row["output"]
+
+
+def test_dead_ranks_reads_hydras_exit_codes():
+    from grader.run import dead_ranks
+
+    assert dead_ranks("[mpiexec@vm] Exit codes: [vm] 9,768,0,0") == (
+        "rank 1 exited with status 3 (os._exit, or exit() in C code)"
+    )
+    assert dead_ranks("[mpiexec@vm] Exit codes: [vm] 0,9,11,9") == "rank 2 was killed by signal 11 (SIGSEGV)"
+    assert dead_ranks("Exit codes: [vm] 0,9,0,0") == "rank 1 was killed by signal 9 (SIGKILL)"
+    assert dead_ranks("no banner") == ""
