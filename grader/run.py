@@ -39,6 +39,7 @@ from pathlib import Path
 
 from .config import ROOT
 from .exits import DEADLINE_BANNER, EXIT_DEADLINE, EXIT_ERROR, GRADER_BUDGET, HARNESS_SHARE
+
 PYTEST_STATUSES = (0, 1, 5)  # all passed, some failed, none collected
 
 

@@ -253,9 +253,8 @@ def test_bad_input_is_one_sentence_with_exit_code_2(args, message):
 
 def test_a_rank_that_dies_without_python_is_named(tmp_path):
     """os._exit on rank 2 inside task 1.4: the task's failure names rank 2 and how it ended."""
-    text = insert_after_docstring(
-        assignment_text(A1, RUBRIC, solved=True), "_all_to_all_pairwise", "import os; os._exit(3) if c.rank == 2 else None"
-    )
+    exits = "import os; os._exit(3) if c.rank == 2 else None"
+    text = insert_after_docstring(assignment_text(A1, RUBRIC, solved=True), "_all_to_all_pairwise", exits)
     folder = tmp_path / "exits"
     folder.mkdir()
     (folder / Path(A1.file).name).write_text(text)
