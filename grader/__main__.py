@@ -7,6 +7,7 @@
     python -m grader stubs [--check]         # regenerate assignments/ from the reference markers
     python -m grader release OUT             # a solution-free copy of the repository for students
     python -m grader mutants [--ci]          # the mutation suite: planted bugs, catch rate per assignment
+    python -m grader report                  # report.md: each assignment's analysis, measured on your code
     python -m grader hints [--level full]    # how much each stub's hint gives away (share of the solution's names)
     python -m grader selfcheck [--suite]     # each task solved alone in a fresh student copy must score in full
 
@@ -66,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds any single communication may wait (TINYTRAIN_TIMEOUT, default 10)",
     )
     sub = p.add_subparsers(
-        dest="command", metavar="{stubs,release}" if is_release() else "{stubs,release,mutants,hints,selfcheck}"
+        dest="command",
+        metavar="{stubs,release,report}" if is_release() else "{stubs,release,report,mutants,hints,selfcheck}",
     )
     s = sub.add_parser("stubs", help="regenerate assignments/ from the solution markers in the reference")
     s.add_argument("--check", action="store_true", help="only check: exit 1 with a diff when assignments/ is stale")
@@ -78,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
         default="brief",
         help="what each stub's TODO says: brief (default) the intent, full the steps, none only the task",
     )
+    a = sub.add_parser("report", help="write report.md: each assignment's analysis, measured on your code")
+    a.add_argument("--out", default="report.md", help="where to write it (default report.md)")
+    a.add_argument("--assignments", nargs="+", metavar="N", help="only these assignments (default: all)")
     if is_release():  # the mutation suite plants bugs into the reference solutions: not in a copy
         return p
     h = sub.add_parser("hints", help="how much each stub's hint gives away: the share of its solution's names it names")
@@ -193,6 +198,10 @@ def main(argv=None) -> int:
         return release_main(args.out, args.hints)
     if args.command == "mutants":
         return _mutants(args)
+    if args.command == "report":
+        from .analysis import main as report_main
+
+        return report_main(args.out, args.assignments)
     if args.command == "hints":
         from .hints import main as hints_main
 

@@ -74,6 +74,17 @@ TODO (0 points), never as an error. A failure says what went wrong first, on whi
 seed that replays it. A hang or a crash costs only its own task. Results go to `out/grader/`:
 `results.json` (Gradescope's format) and `junit.xml`.
 
+## Your analysis
+
+```bash
+python -m grader report               # report.md: each assignment's tables, measured on your code
+```
+
+Each assignment ends with an analysis of your own runs: bytes against the formula, memory per
+rank against the ZeRO paper, the bubble of your schedules, drops against the capacity factor, ring
+against all-to-all attention. The questions under each table are yours to answer in prose (the
+grader scores the code, not the prose).
+
 ## Running your own code
 
 ```bash

@@ -142,3 +142,39 @@ def test_selfcheck_solves_a_task_and_its_prerequisites_in_a_fresh_copy(tmp_path)
         [sys.executable, "-m", "grader", "selfcheck", "--tasks", "9.*"], cwd=ROOT, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "matches no task" in bad.stderr, bad.stdout + bad.stderr
+
+
+@pytest.mark.deadline(300)
+def test_report_in_a_copy_measures_the_students_code_and_asks_the_questions(tmp_path):
+    """In a copy with every task solved: every table's bytes equal their formula, ZeRO's memory the
+    paper's, bubbles the textbook's; with the stubs instead, every assignment says TODO."""
+    from grader.analysis import QUESTIONS
+    from grader.selfcheck import copy_environment, solve
+
+    copy = tmp_path / "copy"
+    make_release(copy)
+    for solved in (False, True):
+        if solved:
+            solve(copy, RUBRIC, tuple(RUBRIC.tasks))
+        proc = subprocess.run(
+            [sys.executable, "-m", "grader", "report", "--out", "out/report.md"],
+            cwd=copy,
+            env=copy_environment(copy),
+            capture_output=True,
+            text=True,
+            timeout=280,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        text = (copy / "out" / "report.md").read_text()
+        assert text.count("*Your answer:*") == sum(len(q) for q in QUESTIONS.values())
+        if not solved:
+            sections = text.split("## Assignment ")[1:]
+            assert len(sections) == len(RUBRIC.assignments) and all("TODO" in x for x in sections), text
+            assert "| equal |" not in text, text
+            continue
+        assert "7 of 7 assignments measured" in proc.stdout, proc.stdout
+        assert "Not measured" not in text and "differs" not in text, text
+        # A1 9 rows, DP 1, ZeRO 4 + 4 (bytes, memory), TP 2, PP 2 (interleaved has no formula), CP 2
+        assert text.count("| equal |") == 9 + 1 + 8 + 2 + 2 + 2, text
+        assert re.search(r"\| 1f1b \| 8 \| 0\.2727 \| 0\.2727 \| \[4, 3, 2, 1\] \|", text), text
