@@ -157,6 +157,11 @@ class ZeroStage2(ZeroStage1):
     def finish_gradient_sync(self) -> None:
         """Wait for the reduce-scatters; add each piece to the pieces of earlier micro-batches."""
         for s, work in self.pending:
+            if not hasattr(work, "wait"):
+                raise TypeError(
+                    f"ZeRO: a gradient's reduce-scatter was noted as {type(work).__name__}, not a handle to wait "
+                    "for: start it without waiting (async_op=True) and keep what the collective returns"
+                )
             piece = work.wait()
             s.grad = piece if s.grad is None else s.grad + piece
         self.pending = []

@@ -230,8 +230,10 @@ class Exchange:
         self.group.broken = f"MessageSizeMismatch in {self.op}"
         return MessageSizeMismatch(
             f"{self._where(label, peer)}: {got} bytes arrived, but this rank expected {buf.nbytes} bytes "
-            f"({_describe(buf)}). Rank {peer} called {self.op} with a different size or dtype than this rank; "
-            "every rank of the group must pass matching shapes and dtypes (TINYTRAIN_DEBUG=1 names both calls)."
+            f"({_describe(buf)}). Either rank {peer} called {self.op} with a different size or dtype than this "
+            "rank (every rank of the group must pass matching shapes and dtypes; TINYTRAIN_DEBUG=1 names both "
+            "calls), or the two ranks cut the buffer differently in this step: check which chunk each step "
+            "sends and receives, and its offsets."
         )
 
     def _failed(self, exc) -> CommError:
