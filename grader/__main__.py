@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -138,6 +139,13 @@ def grade(args) -> int:
         tasks = rubric.select(args.tasks)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not (shutil.which("mpirun") or shutil.which("mpiexec")):
+        print(
+            "error: mpirun not found: activate the virtual environment you installed into (. .venv/bin/activate), "
+            "or pip install -e \".[dev]\" (it brings the mpich wheel), or put your MPI's mpirun on PATH",
+            file=sys.stderr,
+        )
         return 2
     problems, runnable = [], []
     refused: dict[str, str] = {}  # task id -> why it is not graded

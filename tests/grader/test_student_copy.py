@@ -4,6 +4,7 @@ and ``python -m grader selfcheck``, which solves tasks one at a time in fresh co
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -178,3 +179,17 @@ def test_report_in_a_copy_measures_the_students_code_and_asks_the_questions(tmp_
         # A1 9 rows, DP 1, ZeRO 4 + 4 (bytes, memory), TP 2, PP 2 (interleaved has no formula), CP 2
         assert text.count("| equal |") == 9 + 1 + 8 + 2 + 2 + 2, text
         assert re.search(r"\| 1f1b \| 8 \| 0\.2727 \| 0\.2727 \| \[4, 3, 2, 1\] \|", text), text
+
+
+def test_grading_without_mpirun_is_one_sentence(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PATH"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "grader", "--tasks", "1.1"],
+        cwd=ROOT,
+        env=dict(env, PATH="/nonexistent"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: mpirun not found: activate the virtual environment"), proc.stderr
