@@ -140,10 +140,21 @@ def grade(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:  # before any test runs: a run of minutes must not end in a traceback about its results folder
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        probe = Path(args.out) / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        print(
+            f"error: --out {args.out} is not a folder this grader can write ({exc.strerror}); choose another",
+            file=sys.stderr,
+        )
+        return 2
     if not (shutil.which("mpirun") or shutil.which("mpiexec")):
         print(
             "error: mpirun not found: activate the virtual environment you installed into (. .venv/bin/activate), "
-            "or pip install -e \".[dev]\" (it brings the mpich wheel), or put your MPI's mpirun on PATH",
+            'or pip install -e ".[dev]" (it brings the mpich wheel), or put your MPI\'s mpirun on PATH',
             file=sys.stderr,
         )
         return 2

@@ -235,6 +235,8 @@ def test_solved_package_assignment_from_a_folder_scores_full_marks(tmp_path):
         (["--ranks", "0"], "error: --ranks must be positive, got 0"),
         (["--timeout", "-1"], "error: --timeout must be positive, got -1"),
         (["--tasks", "9.9"], "error: --tasks 9.9 matches no task"),
+        (["--out", "/proc/no-such-folder", "--tasks", "1.1"], "error: --out /proc/no-such-folder is not a folder"),
+        (["--out", "README.md", "--tasks", "1.1"], "error: --out README.md is not a folder this grader can write"),
     ],
 )
 def test_bad_input_is_one_sentence_with_exit_code_2(args, message):
