@@ -618,6 +618,62 @@ MUTANTS += [
         "    out = moe.run_experts(got, arriving.sum(axis=0), owned(r, moe.n_experts, P))\n    back = out",
         "expert",
     ),
+    # The bugs below show only in a fixed case of the graded tests, not in every draw (issue: "tests
+    # catch what a careless student gets wrong").
+    M(
+        "aux_counts_only_first_choices",  # Switch's f_e (top-1) under top-2: right for k = 1 only
+        "6.1",
+        _ER,
+        "    chosen = gathered[:, :, :E].sum(axis=(0, 1))\n    n_total",
+        "    chosen = gathered[:, 0, :E].sum(axis=0)  # the tokens sent to each expert\n    n_total",
+        "aux loss",
+    ),
+    M(
+        "gate_gathers_counts_over_ep_only",  # right when the EP group is the whole data group
+        "6.1",
+        _ER,
+        "gathered = gather_over(mine, ep_group, dp_group)",
+        "gathered = gather_over(mine, ep_group)",
+        "gathered has shape .*dp 2 × ep 2 mesh",
+    ),
+    M(
+        "all_to_all_of_a_strided_view",  # right for the contiguous rows dropless builds
+        "6.3",
+        _ED,
+        "return dist.all_to_all(xp.ascontiguousarray(x), send_sizes, recv_sizes, group=group)",
+        "return dist.all_to_all(x, send_sizes, recv_sizes, group=group)",
+        "contiguous",
+    ),
+    M(
+        "dropless_skips_a_rank_with_nothing_to_send",  # but its experts may still receive rows
+        "6.3",
+        _ED,
+        "    mine = numpy.ascontiguousarray(counts.reshape(P, per).astype(numpy.int64))\n",
+        "    if rows.shape[0] == 0:  # all my assignments dropped: nothing to dispatch\n"
+        "        return rows, [0] * P, [0] * P\n"
+        "    mine = numpy.ascontiguousarray(counts.reshape(P, per).astype(numpy.int64))\n",
+        "split sizes.*empty-pieces",
+    ),
+    M(
+        "dropless_counts_exchange_over_the_world",  # right when the EP group is the world
+        "6.3",
+        _ED,
+        "arriving = dist.all_to_all(mine, group=group)",
+        "arriving = dist.all_to_all(mine)",
+        "all_to_all: \\d+ rows do not split evenly",
+    ),
+    M(
+        "missing_expert_gradient_becomes_zeros",  # an expert no token reached gets a zero gradient
+        "6.4",
+        A6 + "model.py",
+        "        if experts:\n            flat = flatten(experts)\n",
+        "        if experts:\n"
+        "            for p in experts:  # no token reached it here: its gradient is zero\n"
+        "                if p.grad is None:\n"
+        "                    p.grad = xp.zeros_like(p.data)\n"
+        "            flat = flatten(experts)\n",
+        "must stay None",
+    ),
     M(
         "expert_gradients_not_divided_by_ep",
         "6.4",
