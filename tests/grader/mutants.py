@@ -741,6 +741,78 @@ MUTANTS += [
     ),
     M("dkv_accumulator_dropped", "7.3", _CR, "            part += dkv\n", "", "dk|dv"),
     M("block_gradients_without_delta", "7.3", _CM, "    ds -= delta[..., None]\n", "", "dq|dk|dv"),
+    # The bugs below show only in a fixed case of the graded tests, not in every draw.
+    M(
+        "block_attention_without_the_max_shift",  # exact on small scores; overflows on scores of 1e4
+        "7.1",
+        _CM,
+        "    m = xp.max(s, axis=-1, keepdims=True)\n    p = xp.exp(s - m)\n",
+        "    m = 0.0  # softmax(s) = exp(s) / sum exp(s)\n    p = xp.exp(s - m)\n",
+        "not finite on scores of magnitude 1e4",
+    ),
+    M(
+        "merge_without_the_max_shift",  # log(e^a + e^b) as written: exact on small scores
+        "7.1",
+        _CM,
+        "    lse = m + xp.log(xp.exp(lse_a - m) + xp.exp(lse_b - m))\n",
+        "    lse = xp.log(xp.exp(lse_a) + xp.exp(lse_b))\n",
+        "not finite on scores of magnitude 1e4",
+    ),
+    M(
+        "ring_masks_every_block_of_the_first_step",  # the diagonal is src == r only under the contiguous split
+        "7.2",
+        _CR,
+        "o, lse = block_attention(qs[i], ks[j], vs[j], scale, diagonal)",
+        "o, lse = block_attention(qs[i], ks[j], vs[j], scale, src == r)",
+        "output at my positions .*zigzag split",
+    ),
+    M(
+        "ring_index_by_bit_mask",  # (r - step) & (n - 1) is (r - step) % n only when n is a power of two
+        "7.2",
+        _CR,
+        "        src = (r - step) % n  # whose K/V I hold now\n",
+        "        src = (r - step) & (n - 1)  # whose K/V I hold now\n",
+        "output at my positions .*over 3 ranks",
+    ),
+    M(
+        "ring_backward_adds_key_gradients_to_the_query_chunk",  # i for j: one chunk each under contiguous
+        "7.3",
+        _CR,
+        "                dks[j] += dkj\n                dvs[j] += dvj\n",
+        "                dks[i] += dkj\n                dvs[i] += dvj\n",
+        "d[kv] at my positions .*zigzag split",
+    ),
+    M(
+        "dkv_accumulator_waited_for_at_once",  # right values and bytes, but no overlap
+        "7.3",
+        _CR,
+        "        dkv, dkv_works = pass_on(part, group, TAG_DKV)  # travels during the next step's compute\n",
+        "        dkv, dkv_works = pass_on(part, group, TAG_DKV)\n        wait_all(dkv_works)  # arrived: pass it on\n",
+        "waited for the dK/dV accumulator it passed on at step 0",
+    ),
+    M(
+        "ring_backward_computes_before_sending",
+        "7.3",
+        _CR,
+        "        if step < n - 1:\n            incoming, works = pass_on(kv, group, TAG_KV)\n        part = ",
+        "        part = ",
+        "backward: rank \\d+ posted the K/V sends",
+        more=(
+            (
+                "        if step > 0:  # the accumulator of src's block",
+                "        if step < n - 1:\n            incoming, works = pass_on(kv, group, TAG_KV)\n"
+                "        if step > 0:  # the accumulator of src's block",
+            ),
+        ),
+    ),
+    M(
+        "ulysses_interleaves_the_head_groups",  # heads j·N + p instead of p·H/N + j: one head per rank hides it
+        "7.5",
+        A7 + "ulysses.py",
+        "    return got.reshape(n, B, h, Tl, D).swapaxes(0, 1).reshape(B, n * h, Tl, D)",
+        "    return got.reshape(n, B, h, Tl, D).transpose(1, 2, 0, 3, 4).reshape(B, h * n, Tl, D)",
+        "output at my positions .*2 head\\(s\\) per rank",
+    ),
     M(
         "contiguous_instead_of_zigzag",
         "7.4",
