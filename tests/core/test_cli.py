@@ -508,7 +508,9 @@ def test_every_command_in_the_readme_parses_and_its_layout_fits_its_ranks():
             ranks = 1
         if words[:1] == ["tinytrain"]:
             commands.append((ranks, words[1:]))
-    assert len(commands) >= 20
+    from grader.config import is_release
+
+    assert len(commands) >= (3 if is_release() else 20)  # a student copy's README is the student's
     parser = build_parser()
     for ranks, argv in commands:
         args = parser.parse_args(argv)
