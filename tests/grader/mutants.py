@@ -437,7 +437,40 @@ MUTANTS += [
         _TPL,
         "            y = F.linear(x, linear.weight, linear.bias)",
         "            y = linear(x)",
-        "input gradient, \\d+ heads",
+        "input gradient, .*\\d+ heads",
+    ),
+    # The bugs below show only in a fixed case of the graded tests, not in every draw.
+    M(
+        "copy_to_region_copies_in_the_gradients_layout",  # np.copy keeps a transposed gradient's strides
+        "4.1",
+        _TP,
+        "        return all_reduce_copy(grad, ctx.group), None\n",
+        '        return dist.all_reduce(xp.copy(grad), group=ctx.group, algo="ring"), None\n',
+        "contiguous",
+    ),
+    M(
+        "attention_merges_heads_without_transposing",  # (B, h, T, D) -> (B, T, C) is a plain reshape for h = 1
+        "4.3",
+        _TPL,
+        "        y = y.transpose(1, 2).reshape(B, T, C)\n",
+        "        y = y.reshape(B, T, C)\n",
+        "output, .*2 heads per rank",
+    ),
+    M(
+        "attention_splits_heads_without_transposing",  # (B, T, C) -> (B, h, T, D) is a plain reshape for h = 1
+        "4.3",
+        _TPL,
+        "heads.append(y.reshape(B, T, self.n_head, C // self.n_head).transpose(1, 2))",
+        "heads.append(y.reshape(B, self.n_head, T, C // self.n_head))",
+        "output, .*2 heads per rank",
+    ),
+    M(
+        "cross_entropy_target_logit_summed_over_the_world",  # right when the TP group is the world
+        "4.4",
+        A4 + "cross_entropy.py",
+        'target_logit = dist.all_reduce(picked, group=group, algo="ring")',
+        'target_logit = dist.all_reduce(picked, algo="ring")',
+        "loss, mesh-2x2",
     ),
     M(
         "vocab_embedding_does_not_mask",
