@@ -14,7 +14,9 @@ Besides the values, the tests check what defines each algorithm, from the steps 
 yields (``c.exchange``): a ring step sends one chunk to the right neighbour and receives one from
 the left, n-1 steps per phase; a pairwise all-to-all step talks to one peer each way, every peer
 once. Data are small integers stored as floats or ints, so sums are exact in any order and results
-are compared exactly. A failure says which rank, which chunk and which index, in words.
+are compared exactly. A failure says which rank, which chunk and which index, in words. Besides
+the drawn uneven splits, the uneven tests run fixed ones with empty pieces (every other rank's
+piece empty; an all-to-all where one rank sends nothing and another receives nothing).
 """
 
 from __future__ import annotations
@@ -123,6 +125,18 @@ def expect_ring(steps, g, phases: int, what: str, context: str) -> None:
             )
 
 
+def with_empty_pieces(n: int) -> list[int]:
+    """A fixed uneven split that every run checks besides the drawn one: every other rank's piece is
+    empty (rank 0's among them), the others of different sizes."""
+    return [0 if p % 2 == 0 else 3 + p for p in range(n)] if n > 1 else [0]
+
+
+def nothing_from_rank_1_to_the_last(n: int) -> list[list[int]]:
+    """A fixed all-to-all table (rows: senders) besides the drawn one: group rank 1 sends nothing,
+    the last rank receives nothing, rank 0 sends to itself."""
+    return [[0 if p == 1 or q == n - 1 else 2 + p + q for q in range(n)] for p in range(n)]
+
+
 def first_difference(got, expected) -> int | None:
     bad = np.flatnonzero(np.asarray(got).reshape(-1) != np.asarray(expected).reshape(-1))
     return int(bad[0]) if bad.size else None
@@ -210,18 +224,19 @@ def test_reduce_scatter_matches_mpi(impl, monkeypatch):
 def test_reduce_scatter_uneven_pieces_and_max(impl, monkeypatch):
     case, steps = Case(), Steps(monkeypatch)
     for g, ranks in case.groups():
-        counts = case.lengths(len(ranks), low=0, high=40)  # drawn on every rank: the draws stay in step
+        drawn = case.lengths(len(ranks), low=0, high=40)  # drawn on every rank: the draws stay in step
         if g is None:
             continue
-        x = case.data(sum(counts), np.float64, dist.get_rank())
-        expected = np.empty(counts[g.rank], dtype=np.float64)
-        mpi(g, "Reduce_scatter", x, expected, counts, op=MPI.MAX)
-        steps.take()
-        got = impl.collectives.reduce_scatter(x, op="max", group=g, sizes=counts)
-        context = case.where(ranks, sum(counts), np.float64)
-        what = f"reduce-scatter (op=max, pieces of sizes {counts})"
-        expect_equal(got, expected, what, context, chunk=g.rank)
-        expect_ring(steps.take(), g, 1, what, context)
+        for counts in (drawn, with_empty_pieces(len(ranks))):
+            x = case.data(sum(counts), np.float64, dist.get_rank())
+            expected = np.empty(counts[g.rank], dtype=np.float64)
+            mpi(g, "Reduce_scatter", x, expected, counts, op=MPI.MAX)
+            steps.take()
+            got = impl.collectives.reduce_scatter(x, op="max", group=g, sizes=counts)
+            context = case.where(ranks, sum(counts), np.float64)
+            what = f"reduce-scatter (op=max, pieces of sizes {counts})"
+            expect_equal(got, expected, what, context, chunk=g.rank)
+            expect_ring(steps.take(), g, 1, what, context)
 
 
 # --- 1.2 ring all-gather ---------------------------------------------------------------------------
@@ -256,18 +271,21 @@ def test_all_gather_matches_mpi(impl, monkeypatch):
 def test_all_gather_uneven_pieces(impl, monkeypatch):
     case, steps = Case(), Steps(monkeypatch)
     for g, ranks in case.groups():
-        counts = case.lengths(len(ranks), low=0, high=40)  # drawn on every rank: the draws stay in step
+        drawn = case.lengths(len(ranks), low=0, high=40)  # drawn on every rank: the draws stay in step
         if g is None:
             continue
-        x = case.data((counts[g.rank], 3), np.int64, dist.get_rank())
-        expected = np.empty((sum(counts), 3), dtype=np.int64)
-        mpi(g, "Allgatherv", x, [expected, [3 * c for c in counts]])
-        steps.take()
-        got = impl.collectives.all_gather(x, group=g, sizes=counts)
-        context = case.where(ranks, sum(counts), np.int64)
-        what = f"all-gather (pieces of {counts} rows)"
-        expect_equal(got, expected, what, context, counts=[3 * c for c in counts], chunk_word="the piece of group rank")
-        expect_ring(steps.take(), g, 1, what, context)
+        for counts in (drawn, with_empty_pieces(len(ranks))):
+            x = case.data((counts[g.rank], 3), np.int64, dist.get_rank())
+            expected = np.empty((sum(counts), 3), dtype=np.int64)
+            mpi(g, "Allgatherv", x, [expected, [3 * c for c in counts]])
+            steps.take()
+            got = impl.collectives.all_gather(x, group=g, sizes=counts)
+            context = case.where(ranks, sum(counts), np.int64)
+            what = f"all-gather (pieces of {counts} rows)"
+            expect_equal(
+                got, expected, what, context, counts=[3 * c for c in counts], chunk_word="the piece of group rank"
+            )
+            expect_ring(steps.take(), g, 1, what, context)
 
 
 # --- 1.3 all-reduce composed of the two ------------------------------------------------------------
@@ -394,20 +412,26 @@ def test_all_to_all_uneven_splits(impl, monkeypatch):
             continue
         n = g.size
         # Every rank draws the whole n x n matrix of row counts, so it knows what it receives too.
-        table = np.random.default_rng([case.seed, n]).integers(0, 20, size=(n, n))
-        send, recv = [int(c) for c in table[g.rank]], [int(c) for c in table[:, g.rank]]
-        x = case.data((sum(send), 2), np.float32, dist.get_rank())
-        expected = np.empty((sum(recv), 2), dtype=np.float32)
-        sdispl, rdispl = np.cumsum([0] + send[:-1]) * 2, np.cumsum([0] + recv[:-1]) * 2
-        mpi(g, "Alltoallv", [x, ([2 * c for c in send], sdispl)], [expected, ([2 * c for c in recv], rdispl)])
-        steps.take()
-        got = impl.collectives.all_to_all(x, send_sizes=send, group=g)
-        context = case.where(ranks, sum(send), np.float32)
-        what = f"all-to-all (send_sizes {send})"
-        expect_equal(
-            got, expected, what, context, counts=[2 * c for c in recv], chunk_word="the block received from group rank"
-        )
-        expect_pairwise(steps.take(), g, what, context, rounds=(1, 2))
+        drawn = np.random.default_rng([case.seed, n]).integers(0, 20, size=(n, n))
+        for table in (drawn, np.array(nothing_from_rank_1_to_the_last(n))):
+            send, recv = [int(c) for c in table[g.rank]], [int(c) for c in table[:, g.rank]]
+            x = case.data((sum(send), 2), np.float32, dist.get_rank())
+            expected = np.empty((sum(recv), 2), dtype=np.float32)
+            sdispl, rdispl = np.cumsum([0] + send[:-1]) * 2, np.cumsum([0] + recv[:-1]) * 2
+            mpi(g, "Alltoallv", [x, ([2 * c for c in send], sdispl)], [expected, ([2 * c for c in recv], rdispl)])
+            steps.take()
+            got = impl.collectives.all_to_all(x, send_sizes=send, group=g)
+            context = case.where(ranks, sum(send), np.float32)
+            what = f"all-to-all (send_sizes {send}, rows sizes[src][dst] {table.tolist()})"
+            expect_equal(
+                got,
+                expected,
+                what,
+                context,
+                counts=[2 * c for c in recv],
+                chunk_word="the block received from group rank",
+            )
+            expect_pairwise(steps.take(), g, what, context, rounds=(1, 2))
 
 
 # --- 1.5 broadcast ---------------------------------------------------------------------------------

@@ -5,6 +5,10 @@ every pass exactly once, no backward before its forward, no deadlock, and the bu
 peak activations of the textbook. Sizes are drawn when the test runs, so only a real schedule
 passes. Stage messages (5.1) are checked by a two-stage run whose gradients must equal a serial
 computation, and the whole pipeline by training a small GPT against a serial run.
+
+Besides the drawn sizes each schedule runs fixed edge cases whatever the draw: one stage, one
+micro-batch, fewer micro-batches than stages, many more; interleaved with m == p (every chunk's
+forward before the first backward) and with 3 chunks.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def run_on_paper(schedule, stages, chunks, what):
 @pytest.mark.task("5.2")
 def test_gpipe_schedule(impl):
     rng, seed = shared_rng()
-    for p, m in sizes(rng):
+    for p, m in sizes(rng) + [(1, 1), (1, 3), (4, 1), (2, 7)]:  # drawn, then fixed edge cases
         what = f"gpipe({p}, {m}) (seed {seed})"
         sched = impl.pipeline.gpipe(p, m)
         assert len(sched) == p, f"{what}: {len(sched)} stage lists, expected {p}"
@@ -63,7 +67,7 @@ def test_gpipe_schedule(impl):
 @pytest.mark.task("5.3")
 def test_1f1b_schedule(impl):
     rng, seed = shared_rng()
-    for p, m in sizes(rng) + [(4, 2)]:
+    for p, m in sizes(rng) + [(4, 2), (1, 3), (3, 1), (4, 4), (2, 8)]:  # drawn, then fixed: m < p, m = 1, p = 1
         what = f"one_f_one_b({p}, {m}) (seed {seed})"
         sched = impl.pipeline.one_f_one_b(p, m)
         assert len(sched) == p, f"{what}: {len(sched)} stage lists, expected {p}"
@@ -84,9 +88,11 @@ def test_1f1b_schedule(impl):
 @pytest.mark.task("5.4")
 def test_interleaved_schedule(impl):
     rng, seed = shared_rng()
+    drawn = []
     for _ in range(4):
         p, v = int(rng.integers(2, 5)), int(rng.integers(2, 4))
-        m = p * int(rng.integers(1, 4))
+        drawn.append((p, p * int(rng.integers(1, 4)), v))
+    for p, m, v in drawn + [(2, 2, 2), (4, 4, 3), (3, 9, 2), (4, 8, 2)]:  # drawn, then fixed: m == p, 3 chunks
         what = f"interleaved_1f1b({p}, {m}, {v}) (seed {seed})"
         t = run_on_paper(impl.pipeline.interleaved_1f1b(p, m, v), p, v, what)
         assert abs(t.bubble_share - bubble_formula(p, m, v)) < 1e-9, (
@@ -109,12 +115,15 @@ def test_interleaved_schedule(impl):
 
 @pytest.mark.task("5.1")
 @pytest.mark.world_size(2)
-def test_activation_and_gradient_cross_stages(impl):
+@pytest.mark.parametrize("case", ["drawn", "one-row"])
+def test_activation_and_gradient_cross_stages(impl, case):
     rng, seed = shared_rng()
     n, d = int(rng.integers(2, 9)), int(rng.integers(2, 9))
+    n = 1 if case == "one-row" else n
     x = rng.normal(size=(n, d)).astype(np.float32)
     w = rng.normal(size=(d, d)).astype(np.float32)
     pl = impl.pipeline
+    what = f"{case}: activation ({n}, {d}) (seed {seed})"
     if dist.get_rank() == 0:  # stage 0: h = x @ w, sent on; later its gradient comes back
         weight = Tensor(w, requires_grad=True)
         h = Tensor(x) @ weight
@@ -126,11 +135,15 @@ def test_activation_and_gradient_cross_stages(impl):
             x.T @ (2 * (x @ w)),
             atol=1e-4,
             rtol=1e-4,
-            what=f"rank 0: gradient of stage 0's weight (seed {seed})",
+            what=f"rank 0: gradient of stage 0's weight, {what}",
         )
     else:  # stage 1: loss = sum(h^2) of the received activation
         h = pl.recv_activation((n, d), np.float32, 0, tag=7)
-        assert h.requires_grad and h.is_leaf, "rank 1: the received activation must be a leaf that requires grad"
+        assert h.requires_grad and h.is_leaf, (
+            f"rank 1: the received activation must be a leaf that requires grad (requires_grad={h.requires_grad}, "
+            f"is_leaf={h.is_leaf}), {what}"
+        )
+        assert_close(h.data, x @ w, atol=1e-4, rtol=1e-4, what=f"rank 1: the received activation, {what}")
         (h * h).sum().backward()
         pl.send_gradient(h, 0, tag=8).wait()
 
