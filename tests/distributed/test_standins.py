@@ -78,7 +78,8 @@ def test_the_assignment_runs_its_own_algorithms_behind_the_framework_functions(m
     import assignments.a1_collectives as a1
 
     x = np.ones(4)
-    with pytest.raises(NotImplementedError, match="TODO 1.3"):
+    monkeypatch.setattr(a1, "_all_reduce_ring", _stub)  # as unfinished, whatever the student has done
+    with pytest.raises(NotImplementedError, match="TODO 1.x"):
         a1.all_reduce(x, algo="ring")
     np.testing.assert_array_equal(a1.all_reduce(x, algo="recursive_doubling"), np.full(4, dist.get_world_size()))
     called = []
