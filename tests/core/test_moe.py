@@ -263,11 +263,12 @@ def test_moe_rejects_bad_arguments():
         MoE(8, 16, 2, top_k=1, z_loss=-1.0)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("k", [1, 2])
-def test_gpt_with_experts_every_parameter_gets_a_gradient(k):
+def test_gpt_with_experts_every_parameter_gets_a_gradient(k, seed):
     cfg = GPTConfig(vocab_size=9, block_size=8, n_layer=2, n_head=2, n_embd=16, n_experts=4, moe_top_k=k)
     model = GPT(cfg, seed=0)
-    rng = numpy.random.default_rng()
+    rng = numpy.random.default_rng(seed)  # fixed: a failure replays (it once failed in CI, undrawn)
     ids = rng.integers(0, 9, size=(4, 8))
     loss = F.cross_entropy(model(ids), xp.asarray(rng.integers(0, 9, size=(4, 8))))
     aux = model.moe_aux_loss()
