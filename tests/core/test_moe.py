@@ -268,7 +268,7 @@ def test_moe_rejects_bad_arguments():
 def test_gpt_with_experts_every_parameter_gets_a_gradient(k, seed):
     cfg = GPTConfig(vocab_size=9, block_size=8, n_layer=2, n_head=2, n_embd=16, n_experts=4, moe_top_k=k)
     model = GPT(cfg, seed=0)
-    rng = numpy.random.default_rng(seed)  # fixed: a failure replays (it once failed in CI, undrawn)
+    rng = numpy.random.default_rng(seed)  # fixed: a failure replays (it once failed, unseeded, in a copy's suite)
     ids = rng.integers(0, 9, size=(4, 8))
     loss = F.cross_entropy(model(ids), xp.asarray(rng.integers(0, 9, size=(4, 8))))
     aux = model.moe_aux_loss()
