@@ -24,7 +24,7 @@ its queries' contribution to the accumulator of block (r − s), and passes it o
 after N hops every accumulator is back at its owner, complete. dq stays local. Bytes sent backward:
 (N − 1)·|K, V| (the blocks) + N·|K, V| (the accumulators; the last hop takes them home).
 
-Each block's compute is a ``trace`` span ("ring attention", cat compute, args step/src/pass); the
+Each step's compute (all its blocks) is one ``trace`` span ("ring attention", cat compute, args step/src/pass); the
 sends and receives record their own ``comm.step`` spans from post to completion, so a trace shows
 whether a transfer ran under a compute span.
 """
