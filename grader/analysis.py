@@ -123,8 +123,8 @@ def _zero_memory(rows) -> list[str]:
         stage = int(r["strategy"][-1]) if r["strategy"].startswith("zero") else 0
         paper = costs.zero_memory(psi, RANKS, stage, weight=4, grad=4, optimizer=8)
         got = max(sum(m[k] for k in ("params", "grads", "optimizer")) for m in r["per_rank"])
-        # pieces of uneven parameters differ by an element or so from Ψ/N: allow 16 bytes a parameter
-        near = abs(got - paper["total"]) <= 16 * len(r["per_rank"]) * 64
+        # a rank's piece of each parameter is Ψ_p/N rounded up at most: 4 + 4 + 8 bytes per parameter
+        near = abs(got - paper["total"]) <= 16 * r["tensors"]
         out.append([r["strategy"], _mib(got), _mib(paper["total"]), "equal" if near else "**differs**"])
     return _table(["strategy", "params + grads + optimizer MiB (largest rank)", "ZeRO paper, fp32 Adam", "check"], out)
 

@@ -82,9 +82,10 @@ def strategies(names) -> list[dict]:
     from tinytrain import distributed as dist
     from tinytrain import planner
     from tinytrain.bench import strategies as bench
-    from tinytrain.nn import GPTConfig
+    from tinytrain.nn import GPT, GPTConfig
 
     config = GPTConfig(**bench.MODEL)
+    tensors = len(GPT(config, seed=0).parameters())  # parameters, each cut into uneven pieces
     spec = planner.ModelSpec(
         layers=config.n_layer, hidden=config.n_embd, heads=config.n_head, vocab=config.vocab_size,
         seq=config.block_size, batch=8,
@@ -110,6 +111,7 @@ def strategies(names) -> list[dict]:
                 "formula_total": None if want is None else int(round(want)),
                 "per_rank": [{k: int(r[k]) for k in bench.MEMORY_KEYS if k in r} for r in every if r],
                 "ms": 1e3 * max(r["seconds"] for r in every if r),
+                "tensors": tensors,
             }
         )
     return rows
@@ -182,13 +184,13 @@ def context() -> list[dict]:
 
 
 SECTIONS = {
-    "1": lambda: collectives(),
+    "1": collectives,
     "2": lambda: strategies(["dp"]),
     "3": lambda: strategies(["dp", "zero1", "zero2", "zero3"]),
     "4": lambda: strategies(["tp", "tp+sp"]),
     "5": lambda: {"bubbles": bubbles(), "steps": strategies(["pp-gpipe", "pp-1f1b", "pp-interleaved"])},
-    "6": lambda: drops(),
-    "7": lambda: context(),
+    "6": drops,
+    "7": context,
 }
 
 

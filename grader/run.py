@@ -191,8 +191,9 @@ def _one_run(opts: RunOptions, nodeids: list[str] | None, workdir: Path, on_even
         ended = _how_it_ended(proc.returncode, bool(logged_end), opts.timeout)
     out.seek(0)
     text = out.read()
-    if ended.startswith("crashed") and dead_ranks(text):
-        ended = f"crashed: {dead_ranks(text)}, before the tests finished (mpirun exited with status {proc.returncode})"
+    dead = dead_ranks(text) if ended.startswith("crashed") else ""
+    if dead:
+        ended = f"crashed: {dead}, before the tests finished (mpirun exited with status {proc.returncode})"
     return ended, text[-OUTPUT_TAIL:]
 
 
