@@ -351,7 +351,7 @@ def resume(ckpt: Path, runner, model, optimizer, schedule, args) -> tuple[int, l
     mismatch = model_mismatch(meta.get("args", {}), meta.get("model_config", {}), args, model.config)
     if mismatch:
         raise ValueError(f"cannot resume from {ckpt}: {mismatch}")
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    shapes = {name: tuple(shape) for name, shape in runner.shapes().items()}  # not p.shape: ZeRO-3 emptied p
     saved = {name: tuple(shape) for name, shape in meta["tensors"].items()}
     if set(saved) != set(shapes):
         raise ValueError(

@@ -34,6 +34,8 @@ class Runner(Protocol):
 
     def share_model(self) -> None: ...  # the full current model in the serial GPT on every rank
 
+    def shapes(self) -> dict: ...  # each parameter's serial shape (what a checkpoint records)
+
     def save(self, folder, step: int, optimizer, meta: dict) -> None: ...  # every rank its pieces
 
     def load(self, reader: checkpoint.Reader, optimizer) -> None: ...  # from a checkpoint of any layout
@@ -74,7 +76,10 @@ class SerialRunner:
     def save(self, folder, step: int, optimizer, meta: dict) -> None:
         pieces, scalars = checkpoint.collect(self.named, optimizer)
         checkpoint.write_pieces(folder, step, 0, pieces, scalars)
-        checkpoint.commit(folder, step, 1, _shapes(self.model), dict(meta, layout="(serial)"))
+        checkpoint.commit(folder, step, 1, self.shapes(), dict(meta, layout="(serial)"))
+
+    def shapes(self) -> dict:
+        return _shapes(self.model)
 
     def load(self, reader, optimizer) -> None:
         checkpoint.restore(reader, self.named, optimizer)
@@ -143,9 +148,13 @@ class MeshRunner:
         checkpoint.write_pieces(folder, step, self.rank, pieces, scalars)
         self.dist.barrier()  # every rank's pieces are on disk before the manifest names them
         if self.is_main:
-            shapes = self.parallel.shapes  # the serial shapes (ZeRO-3 holds pieces only)
-            checkpoint.commit(folder, step, self.dist.get_world_size(), shapes, dict(meta, layout=self.plan.flags()))
+            checkpoint.commit(
+                folder, step, self.dist.get_world_size(), self.shapes(), dict(meta, layout=self.plan.flags())
+            )
         self.dist.barrier()
+
+    def shapes(self) -> dict:
+        return self.parallel.shapes  # the serial shapes, kept before ZeRO-3 freed the parameters
 
     def load(self, reader, optimizer) -> None:
         self.parallel.load_checkpoint(reader, optimizer)
