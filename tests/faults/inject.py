@@ -2,7 +2,7 @@
 
     FAULT=skip RANK=3 STEP=2 mpirun -n 4 python tests/faults/inject.py train --dp 4 ...
 
-The fault happens in the step-end vote every layout takes (``MeshRunner.any_rank``: "did a rank
+The fault happens in the step-end vote every layout takes (``MeshRunner.vote``: "did a rank
 get a signal?", an all-reduce over the world), on rank ``RANK`` at step ``STEP``:
 
     raise    raise RuntimeError before the vote's all-reduce
@@ -29,30 +29,30 @@ from tinytrain.cli import main
 from tinytrain.trainer import runners
 
 FAULT, RANK, STEP = os.environ["FAULT"], int(os.environ.get("RANK", "1")), int(os.environ.get("STEP", "2"))
-_real_any_rank = runners.MeshRunner.any_rank
+_real_vote = runners.MeshRunner.vote
 _votes = {"n": 0}
 
 
-def any_rank(self, flag: bool) -> bool:
+def vote(self, value: int) -> int:
     _votes["n"] += 1
     if _votes["n"] != STEP or self.rank not in (RANK, RANK + 1):
-        return _real_any_rank(self, flag)
+        return _real_vote(self, value)
     if FAULT == "sendsend":
         peer = RANK + 1 if self.rank == RANK else RANK
         big = numpy.ones(1 << 20, dtype=numpy.float32)
         self.dist.send(big, dst=peer)
         self.dist.recv(big, src=peer)
-        return _real_any_rank(self, flag)
+        return _real_vote(self, value)
     if self.rank != RANK:
-        return _real_any_rank(self, flag)
+        return _real_vote(self, value)
     if FAULT == "raise":
         raise RuntimeError(f"injected fault on rank {self.rank} before the vote")
     if FAULT == "skip":
-        return False
+        return 0
     if FAULT in ("dtype", "shape"):
         votes = numpy.zeros(2 if FAULT == "shape" else 1, dtype=numpy.float64 if FAULT == "dtype" else numpy.float32)
         self.dist.all_reduce(votes, op="max")
-        return bool(votes[0])
+        return int(votes[0])
     if FAULT == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if FAULT == "stop":
@@ -62,8 +62,8 @@ def any_rank(self, flag: bool) -> bool:
             pass
     if FAULT == "slow":
         time.sleep(6)
-    return _real_any_rank(self, flag)
+    return _real_vote(self, value)
 
 
-runners.MeshRunner.any_rank = any_rank
+runners.MeshRunner.vote = vote
 sys.exit(main())

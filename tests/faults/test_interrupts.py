@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy
 import pytest
@@ -70,3 +73,55 @@ def test_a_signal_saves_and_resume_continues_the_curve(tmp_path, ranks, signum):
     )
     assert resumed.returncode == 0
     numpy.testing.assert_allclose(losses(tmp_path / "cut"), losses(tmp_path / "straight"), rtol=1e-6)
+
+
+def rank_pid(launcher_pid: int, rank: int, wait: float = 20.0) -> int:
+    """The process id of MPI rank ``rank`` among the descendants of ``launcher_pid`` (mpirun)."""
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                environ = (proc / "environ").read_bytes().split(b"\0")
+                ancestors = _ancestors(int(proc.name))
+            except OSError:
+                continue
+            if launcher_pid in ancestors and f"PMI_RANK={rank}".encode() in environ:
+                return int(proc.name)
+        time.sleep(0.1)
+    raise AssertionError(f"no process of rank {rank} under mpirun (pid {launcher_pid}) within {wait} s")
+
+
+def _ancestors(pid: int) -> list[int]:
+    chain = []
+    while pid > 1:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the parent's pid (the name may hold spaces)
+        chain.append(pid)
+    return chain
+
+
+@pytest.mark.parametrize("layout,rank", [("--dp 2 --tp 2", 1), ("--dp 2", 0)], ids=["dp2tp2-rank1", "dp2-rank0"])
+def test_a_signal_to_one_rank_checkpoints_the_whole_job_and_exits_143(tmp_path, layout, rank):
+    """A scheduler preempting one process: every rank stops after the same step, the checkpoint is
+    written, and the job exits 128 + SIGTERM with the resume hint, said once."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("needs mpirun")
+    ranks = 4 if "--tp" in layout else 2
+    train = [sys.executable, "-m", "tinytrain.cli", "train", *TINY, *layout.split(), "--out", "cut"]
+    proc = subprocess.Popen(["mpirun", "-n", str(ranks), *train], cwd=tmp_path, env=environment(),
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("step") and int(line.split()[1].split("/")[0]) >= 5:
+            os.kill(rank_pid(proc.pid, rank), signal.SIGTERM)
+            break
+    lines.extend(proc.stderr)
+    rc, err = proc.wait(timeout=60), "".join(lines)
+    assert rc == 128 + signal.SIGTERM, err
+    stopped = json.loads((tmp_path / "cut" / "ckpt" / "manifest.json").read_text())["step"]
+    assert 5 <= stopped < 60, err
+    assert err.count(f"SIGTERM received: stopped after step {stopped}") == 1, err
+    assert "--resume" in err and "Traceback" not in err and "error" not in err, err

@@ -196,12 +196,13 @@ def train(args) -> int:
                     )
             metrics["steps"].append(record)
             progress.update(step, loss_value, record["tokens_per_s"], extra)
-            stop = runner.any_rank(interrupts.signal is not None)  # every rank stops after the same step
+            # every rank stops after the same step, with the signal one of them got (0: none)
+            stop = runner.vote(interrupts.signal or 0)
             if step % args.ckpt_every == 0 or step == args.steps or stop:
                 save(runner, ckpt, step, optimizer, metrics, args, model)
                 saved_step = step
             if stop:
-                return interrupted(runner, out, metrics, interrupts.signal, saved_step, quiet)
+                return interrupted(runner, out, metrics, stop, saved_step, quiet)
 
     runner.share_model()
     runner.finish(args, out)

@@ -42,7 +42,7 @@ class Runner(Protocol):
 
     def step_stats(self) -> dict: ...  # the last step's mixture-of-experts numbers ({} without experts)
 
-    def any_rank(self, flag: bool) -> bool: ...  # True on every rank if ``flag`` is True on one
+    def vote(self, value: int) -> int: ...  # the largest ``value`` any rank gave, on every rank
 
     def finish(self, args, out: Path) -> None: ...  # traces, plots, memory tables
 
@@ -87,8 +87,8 @@ class SerialRunner:
     def step_stats(self) -> dict:
         return moe_step_stats(self.model)
 
-    def any_rank(self, flag: bool) -> bool:
-        return flag
+    def vote(self, value: int) -> int:
+        return value
 
     def finish(self, args, out: Path) -> None:
         """``--trace``: this process's spans as a Chrome trace (one rank: forward, backward, optimizer)."""
@@ -135,13 +135,14 @@ class MeshRunner:
     def step_stats(self) -> dict:
         return self.parallel.step_stats()
 
-    def any_rank(self, flag: bool) -> bool:
-        """One 4-byte all-reduce: a signal may reach the ranks during different steps."""
+    def vote(self, value: int) -> int:
+        """One 4-byte all-reduce (max): a signal may reach one rank only, or the ranks during
+        different steps, and every rank must stop after the same step, knowing which signal."""
         import numpy
 
-        votes = numpy.array([float(flag)], dtype=numpy.float32)
+        votes = numpy.array([value], dtype=numpy.int32)
         self.dist.all_reduce(votes, op="max")
-        return bool(votes[0])
+        return int(votes[0])
 
     def save(self, folder, step: int, optimizer, meta: dict) -> None:
         pieces, scalars = self.parallel.checkpoint_pieces(optimizer)
