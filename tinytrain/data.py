@@ -9,10 +9,16 @@ The addition task (3 digits shown; the default is 2): ``"347+085=2340"`` is 347 
 the answer written *reversed* (least significant digit first, as a person adds), a classic
 small-transformer task with an exact-match accuracy. The loss is taken on the answer digits only
 (the prompt's targets are set to ``IGNORE``), so the loss and the accuracy measure the same thing.
+
+A checkpoint keeps what the model needs of its data (``dataset.describe()``: for text, its
+characters, a fingerprint of the text and the default prompt; for addition, ``digits``), so
+``tinytrain sample`` needs no training text, and ``--resume`` can say what changed in it
+(:func:`dataset_change`). :func:`from_description` turns that back into an encoder/decoder.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy
@@ -63,6 +69,10 @@ class AdditionDataset:
     def decode(self, ids) -> str:
         return "".join(self.chars[int(i)] for i in ids)
 
+    def describe(self) -> dict:
+        """What a checkpoint keeps of this dataset: its settings suffice to rebuild it."""
+        return {"name": self.name, "digits": self.digits, "chars": self.chars}
+
     def _is_val(self, a, b):
         # A fixed hash of the problem decides its split, so train and validation never overlap.
         h = (a * 1_000_003 + b * 7919 + 12345) * 2654435761 % (2**32)
@@ -107,10 +117,41 @@ class AdditionDataset:
         return float((produced == answers).all(axis=1).mean())
 
 
-class CharDataset:
-    """Character-level text from a file: 90% for training, the last 10% for validation."""
+class CharVocabulary:
+    """The characters of a text, sorted: token ``i`` is ``chars[i]``. What a checkpoint keeps of its
+    text (``CharDataset.describe``), enough to encode a prompt and decode what the model writes.
+
+    ``prompt``: the default prompt (the validation split's first character); ``start``: the text's
+    first character."""
 
     name = "text"
+
+    def __init__(self, chars: str, prompt: str | None = None, start: str | None = None):
+        self.chars = chars
+        self.vocab_size = len(chars)
+        self._index = {c: i for i, c in enumerate(chars)}
+        self.prompt = prompt if prompt is not None else chars[:1]
+        self.start = start if start is not None else chars[:1]
+
+    def unknown(self, text: str) -> list[str]:
+        """The characters of ``text`` outside this vocabulary, in order of first appearance."""
+        return list(dict.fromkeys(c for c in text if c not in self._index))
+
+    def encode(self, text: str):
+        unknown = self.unknown(text)
+        if unknown:
+            raise ValueError(
+                f"{char_listing(unknown)} {'is' if len(unknown) == 1 else 'are'} not in the vocabulary "
+                f"(the {self.vocab_size} characters of the text the model was trained on)"
+            )
+        return numpy.array([self._index[c] for c in text], dtype=numpy.int64)
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+
+class CharDataset(CharVocabulary):
+    """Character-level text from a file: 90% for training, the last 10% for validation."""
 
     def __init__(self, path: str, block_size: int = 64):
         try:
@@ -124,22 +165,25 @@ class CharDataset:
                 f"{path} has {len(text)} characters; with block size {block_size} it needs at "
                 f"least {10 * (block_size + 1)} (give a longer file or a smaller --block-size)"
             )
-        self.chars = "".join(sorted(set(text)))
-        self.vocab_size = len(self.chars)
+        cut = int(0.9 * len(text))
+        super().__init__("".join(sorted(set(text))), prompt=text[cut], start=text[0])
+        self.path = str(path)
         self.block_size = block_size
-        self._index = {c: i for i, c in enumerate(self.chars)}
+        self.length = len(text)
+        self.sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
         ids = self.encode(text)
-        cut = int(0.9 * len(ids))
         self.splits = {"train": ids[:cut], "val": ids[cut:]}
 
-    def encode(self, text: str):
-        try:
-            return numpy.array([self._index[c] for c in text], dtype=numpy.int64)
-        except KeyError as exc:
-            raise ValueError(f"character {exc.args[0]!r} is not in this dataset's vocabulary") from None
-
-    def decode(self, ids) -> str:
-        return "".join(self.chars[int(i)] for i in ids)
+    def describe(self) -> dict:
+        """What a checkpoint keeps of this text: its characters, its fingerprint, the default prompt."""
+        return {
+            "name": self.name,
+            "chars": self.chars,
+            "characters": self.length,
+            "sha256": self.sha256,
+            "prompt": self.prompt,
+            "start": self.start,
+        }
 
     def batch(self, split: str, batch_size: int, seed: int, step: int):
         data = self.splits[split]
@@ -157,3 +201,42 @@ def load_dataset(data: str | None, block_size: int | None = None, digits: int = 
     if not Path(data).is_file():
         raise ValueError(f"--data {data!r} is neither 'addition' nor a readable text file")
     return CharDataset(data, block_size or 64)
+
+
+def from_description(description: dict):
+    """The encoder/decoder a checkpoint's ``dataset`` entry describes (``describe()``): the addition
+    task, or a ``CharVocabulary`` (no text needed)."""
+    if description["name"] == "addition":
+        return AdditionDataset(description["digits"])
+    return CharVocabulary(description["chars"], description.get("prompt"), description.get("start"))
+
+
+def dataset_change(saved: dict | None, current: dict | None, data: str) -> tuple[str | None, str | None]:
+    """How the data of a resumed run differs from a checkpoint's: ``(refusal, note)``, each one
+    sentence or None. Other characters are a refusal (the model's tokens would mean other
+    characters); the same characters in another text are a note (the run goes on, on the new
+    text); a moved file with the same text is neither. ``saved`` None: an older checkpoint."""
+    if not saved or not current or saved["name"] != "text" or current["name"] != "text":
+        return None, None  # the addition task, or a change of task: model_mismatch names --data
+    if saved["chars"] != current["chars"]:
+        new = [c for c in current["chars"] if c not in saved["chars"]]
+        gone = [c for c in saved["chars"] if c not in current["chars"]]
+        parts = [f"{len(new)} new: {char_listing(new)}"] if new else []
+        parts += [f"{len(gone)} gone: {char_listing(gone)}"] if gone else []
+        return (
+            f"the text in --data {data} has other characters than the checkpoint's ({'; '.join(parts)}); "
+            "resume with the text it was trained on"
+        ), None
+    if saved.get("sha256", current["sha256"]) != current["sha256"]:
+        return None, (
+            f"the text in --data {data} is not the one the checkpoint was trained on (the same "
+            f"{len(current['chars'])} characters, {current['characters']:,} of them instead of "
+            f"{saved['characters']:,}): the resumed run draws its batches from the new text"
+        )
+    return None, None
+
+
+def char_listing(chars, most: int = 5) -> str:
+    """``'é', '\\n', 'x'`` (and how many more)."""
+    shown = ", ".join(repr(c) for c in chars[:most])
+    return shown + (f" and {len(chars) - most} more" if len(chars) > most else "")

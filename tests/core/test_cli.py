@@ -391,7 +391,8 @@ def test_every_output_is_written_with_one_mode_and_stale_temporaries_go(tmp_path
     ids=["disk-full", "read-only"],
 )
 def test_a_failed_save_is_one_sentence_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys, error):
-    train(tmp_path, "--steps", "2")
+    constant = ["--warmup", "0", "--min-lr", "1e-3"]  # a constant rate: --resume may extend --steps
+    train(tmp_path, "--steps", "2", *constant)
     before = final_params(tmp_path)
 
     def fails(*args, **kwargs):
@@ -399,7 +400,7 @@ def test_a_failed_save_is_one_sentence_and_keeps_the_previous_checkpoint(tmp_pat
 
     monkeypatch.setattr(checkpoint.tempfile, "mkstemp", fails)  # every file of the save is made by mkstemp
     with pytest.raises(SystemExit) as exc:
-        train(tmp_path, "--steps", "4", "--resume")
+        train(tmp_path, "--steps", "4", "--resume", *constant)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"could not save the checkpoint of step 4 in {tmp_path / 'ckpt'} ({error.strerror})" in err

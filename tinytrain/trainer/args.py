@@ -35,6 +35,11 @@ def model_mismatch(saved_args: dict, saved_config: dict, args, config) -> str | 
             return _differs(name, saved_args[name], getattr(args, name))
     for field, name in CONFIG_FLAGS.items():
         if field in saved_config and saved_config[field] != getattr(config, field):
+            if field == "vocab_size":  # same --data (checked above): the text changed
+                return (
+                    f"the text in --data {args.data} has {config.vocab_size} different characters, the "
+                    f"checkpoint's {saved_config[field]}; resume with the text it was trained on"
+                )
             return _differs(name, saved_config[field], getattr(config, field))
     return None
 
@@ -173,6 +178,9 @@ def plan_of(args):
 
 
 def build_model(args, dataset) -> GPT:
+    """The GPT the flags describe, for ``dataset``. It remembers what it was built for
+    (``model.dataset_meta``, ``dataset.describe()``: its characters...) so that a checkpoint keeps
+    its vocabulary and ``--resume`` can tell what changed in the data."""
     config = GPTConfig(
         vocab_size=dataset.vocab_size,
         block_size=dataset.block_size,
@@ -185,7 +193,9 @@ def build_model(args, dataset) -> GPT:
         moe_capacity_factor=args.capacity_factor,
         moe_aux_weight=args.aux_loss_weight,
     )
-    return GPT(config, seed=args.seed)
+    model = GPT(config, seed=args.seed)
+    model.dataset_meta = dataset.describe()
+    return model
 
 
 def use_implementation(impl: str) -> None:

@@ -16,6 +16,13 @@ the figures inside ``--out``) and written atomically; SIGINT or SIGTERM (Ctrl-C,
 preemption) lets every rank finish the step it is in, the ranks agree on that step, a checkpoint is
 written and the run exits with 128 + the signal number, saying how to resume. A second Ctrl-C stops
 at once (the last checkpoint stays).
+
+``--resume`` continues the same curve or refuses, in one sentence that names the flag: the model's
+flags, the data (its characters: a checkpoint keeps them), --optimizer, --seed, --batch-size,
+--weight-decay, --grad-clip, --dropout and the MoE loss flags must be the checkpoint's; --steps,
+--lr, --min-lr and --warmup may change only where no step still to come gets another learning rate
+(so a constant rate, --warmup 0 and --min-lr equal to --lr, can be extended). The layout flags,
+--out, --eval-* and --ckpt-every may change.
 """
 
 from __future__ import annotations
@@ -28,12 +35,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from tinytrain import checkpoint
 from tinytrain import random as _random
 from tinytrain.autograd import no_grad
 from tinytrain.backend import device
-from tinytrain.data import AdditionDataset, load_dataset
+from tinytrain.data import AdditionDataset, dataset_change, load_dataset
 from tinytrain.optim import SGD, AdamW, WarmupCosine
 from tinytrain.trainer.args import (
     add_arguments,
@@ -227,6 +235,8 @@ def save(runner, ckpt: Path, step: int, optimizer, metrics: dict, args, model) -
         "model_config": model.config.to_dict(),
         "metrics_steps": metrics["steps"],
     }
+    if getattr(model, "dataset_meta", None):  # its vocabulary: `tinytrain sample` needs no text
+        meta["dataset"] = model.dataset_meta
     runner.save(ckpt, step, optimizer, meta)
 
 
@@ -349,7 +359,14 @@ def resume(ckpt: Path, runner, model, optimizer, schedule, args) -> tuple[int, l
     """Load the checkpoint (written by any layout) into this layout; return (step, metrics so far)."""
     reader = checkpoint.Reader(ckpt)
     meta = reader.meta
-    mismatch = model_mismatch(meta.get("args", {}), meta.get("model_config", {}), args, model.config)
+    saved_args = dict(meta.get("args", {}))
+    current = getattr(model, "dataset_meta", None)
+    refusal, note = dataset_change(meta.get("dataset"), current, args.data)
+    if refusal:
+        raise ValueError(f"cannot resume from {ckpt}: {refusal}")
+    if meta.get("dataset", {}).get("name") == "text" and (current or {}).get("name") == "text":
+        saved_args["data"] = args.data  # compared by content above: the file may have moved
+    mismatch = model_mismatch(saved_args, meta.get("model_config", {}), args, model.config)
     if mismatch:
         raise ValueError(f"cannot resume from {ckpt}: {mismatch}")
     shapes = {name: tuple(shape) for name, shape in runner.shapes().items()}  # not p.shape: ZeRO-3 emptied p
@@ -375,11 +392,60 @@ def resume(ckpt: Path, runner, model, optimizer, schedule, args) -> tuple[int, l
             f"the checkpoint in {ckpt} was trained with --seed {meta['seed']}; resume with that seed "
             "(batches and dropout masks follow it)"
         )
+    changed = changed_setting(meta.get("args", {}), args, meta["step"], schedule)
+    if changed:
+        raise ValueError(f"the checkpoint in {ckpt} was trained with {changed}")
+    if note and runner.is_main:
+        print(f"tinytrain: note: {note}", file=sys.stderr)
     runner.load(reader, optimizer)
     step = meta["step"]
     schedule.last_step = step
     optimizer.lr = schedule.lr_at(step + 1)
     return step, meta["metrics_steps"]
+
+
+# What a resumed run may not change: the flags that shape the run's curve (the layout flags and
+# --eval-*/--ckpt-every/--out may change). The LR schedule's flags only where the rate of a step
+# still to come would change: a constant rate (--warmup 0, --min-lr equal to --lr) can be extended.
+SCHEDULE_FLAGS = ("steps", "lr", "min_lr", "warmup")
+CURVE_FLAGS = {
+    "batch_size": "every step's batch follows it",
+    "weight_decay": "every update follows it",
+    "grad_clip": "every update follows it",
+    "dropout": "the dropout masks follow it",
+    "capacity_factor": "which tokens the experts drop follows it",
+    "aux_loss_weight": "the loss follows it",
+}
+
+
+def changed_setting(saved: dict, args, step: int, schedule) -> str | None:
+    """The first flag a resumed run may not change but does, said as "--steps 300 (its
+    learning-rate schedule follows it); resume with --steps 300"; None if none. ``saved``: the
+    checkpoint's flags (an older checkpoint may lack some: those are not compared)."""
+    if all(saved.get(name) is not None for name in SCHEDULE_FLAGS):
+        rates = SimpleNamespace(lr=saved["lr"])  # the schedule only sets an optimizer's lr
+        before = type(schedule)(rates, saved["warmup"], saved["steps"], min_lr=saved["min_lr"], base_lr=saved["lr"])
+        if any(not math.isclose(before.lr_at(s), schedule.lr_at(s)) for s in range(step + 1, args.steps + 1)):
+            for name in SCHEDULE_FLAGS:
+                if not _same(saved[name], getattr(args, name)):
+                    why = "its learning-rate schedule follows it" if name == "steps" else "the learning rate follows it"
+                    return _resume_with(name, saved[name], why)
+    for name, why in CURVE_FLAGS.items():
+        if name in saved and not _same(saved[name], getattr(args, name)):
+            return _resume_with(name, saved[name], why)
+    return None
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    return a == b
+
+
+def _resume_with(name: str, value, why: str) -> str:
+    flag = "--" + name.replace("_", "-")
+    shown = f"{value:g}" if isinstance(value, float) else value
+    return f"{flag} {shown} ({why}); resume with {flag} {shown}"
 
 
 def moe_line(moe: dict) -> str:
