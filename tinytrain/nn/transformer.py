@@ -8,6 +8,9 @@
 Every parallel strategy in ``tinytrain.parallel`` splits this same model, and its tests compare
 against it, so it is deliberately plain: no fused QKV, no attention-probability dropout (dropout
 is applied where a sequence-parallel rank can reproduce the serial mask), weight layout (in, out).
+
+Inference has a second path beside ``forward``: ``GPT.decode`` with a ``KVCache`` keeps each
+layer's keys and values, so a new token costs one position's work instead of the whole context's.
 """
 
 from __future__ import annotations
@@ -91,6 +94,25 @@ class CausalSelfAttention(Module):
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.proj(y))
 
+    def decode(self, x, keys, values, start: int):
+        """Inference with a key/value cache: attention of ``x`` (B, T, C), the positions ``start``
+        onwards, over the earlier positions' keys and values and their own. ``keys``/``values``
+        (B, H, block_size, D) hold the earlier ones; this writes its own there. T tokens at once
+        into an empty cache (``start`` 0: the same computation as ``forward``), else one."""
+        B, T, C = x.shape
+        q, k, v = self.split_heads(self.q(x)), self.split_heads(self.k(x)), self.split_heads(self.v(x))
+        end = start + T
+        keys[:, :, start:end] = k.data
+        values[:, :, start:end] = v.data
+        if start == 0:
+            y = F.scaled_dot_product_attention(q, k, v, causal=True)
+        elif T == 1:  # the newest position sees every key: no mask
+            y = F.scaled_dot_product_attention(q, Tensor(keys[:, :, :end]), Tensor(values[:, :, :end]), causal=False)
+        else:
+            raise ValueError(f"decode takes {T} positions at once only into an empty cache (it holds {start})")
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.dropout(self.proj(y))
+
 
 def attend(attention_fn, q, k, v):
     """``attention_fn(q, k, v)``, or causal attention over the whole sequence when it is None."""
@@ -129,6 +151,11 @@ class Block(Module):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
+    def decode(self, x, keys, values, start: int):
+        """``forward`` with a key/value cache (``CausalSelfAttention.decode``)."""
+        x = x + self.attn.decode(self.ln_1(x), keys, values, start)
+        return x + self.mlp(self.ln_2(x))
+
 
 def sequence_positions(T, positions, block_size):
     """The position of each of the ``T`` columns: ``arange(T)``, or the given ``positions`` (checked)."""
@@ -140,6 +167,17 @@ def sequence_positions(T, positions, block_size):
     if T and int(positions.max()) >= block_size:
         raise ValueError(f"position {int(positions.max())} is beyond block_size={block_size}")
     return positions
+
+
+class KVCache:
+    """The keys and values of the positions a GPT has seen so far, per layer, for inference
+    (``GPT.decode``): each layer's (B, H, block_size, D) arrays, filled up to ``length``."""
+
+    def __init__(self, config: GPTConfig, batch: int, dtype):
+        shape = (batch, config.n_head, config.block_size, config.n_embd // config.n_head)
+        self.keys = [xp.zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
+        self.values = [xp.zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
+        self.length = 0
 
 
 class GPT(Module):
@@ -181,6 +219,36 @@ class GPT(Module):
 
     def forward(self, ids):
         return self.logits(self.hidden(ids))
+
+    # --- inference with a key/value cache (tinytrain.sample.generate) ---------------------------
+
+    def kv_cache(self, batch: int):
+        """An empty ``KVCache`` for ``decode`` over ``batch`` rows; None where this model cannot use
+        one and gives the same numbers: experts with a capacity (a forward's capacity counts all its
+        tokens: one token at a time would keep others), or attention that is not this module's
+        (context parallel sets ``attention_fn``; a tensor-parallel layer is another class)."""
+        if self.config.n_experts and self.config.moe_capacity_factor:
+            return None
+        for block in self.blocks:
+            plain = type(block) is Block and type(block.attn) is CausalSelfAttention
+            if not plain or block.attn.attention_fn is not None:
+                return None
+        return KVCache(self.config, batch, self.wte.weight.data.dtype)
+
+    def decode(self, ids, cache):
+        """Inference with a key/value cache: the logits (B, T, vocab_size) of ``ids`` (B, T), the
+        positions after the ``cache.length`` ones ``cache`` holds, which then holds these too. Many
+        tokens into an empty cache (the prompt), then one at a time, up to block_size positions.
+        For evaluation mode under ``no_grad``; the training ``forward`` is untouched by it."""
+        ids = xp.asarray(ids.data if isinstance(ids, Tensor) else ids)
+        start, T = cache.length, ids.shape[-1]
+        if start + T > self.config.block_size:
+            raise ValueError(f"the cache holds {start} positions; {T} more exceed block_size={self.config.block_size}")
+        x = self.embed(ids, positions=xp.arange(start, start + T))
+        for block, keys, values in zip(self.blocks, cache.keys, cache.values):
+            x = block.decode(x, keys, values, start)
+        cache.length = start + T
+        return self.logits(x)
 
     # --- what the training loop and the parallel layouts call -----------------------------------
 
