@@ -73,15 +73,15 @@ class NonMember:
 def init(comm=None) -> ProcessGroup:
     """Start tinytrain.distributed (idempotent) and return the world group.
 
-    ``comm`` defaults to ``MPI.COMM_WORLD``; it is duplicated, never used directly. Also installs an
-    exception hook so that a rank dying of an uncaught exception tells the others at once (they
-    raise :class:`PeerFailure` instead of waiting for their deadline), and on a GPU binds this rank
-    to its own GPU (:func:`tinytrain.backend.select_device_for_rank` with the node-local rank).
+    ``comm`` defaults to ``MPI.COMM_WORLD``; it is duplicated, never used directly. On a GPU it binds
+    this rank to its own GPU (:func:`tinytrain.backend.select_device_for_rank` with the node-local
+    rank). (Importing this module installed the exception hook that ends the whole job when a rank
+    dies of an uncaught exception: see :func:`_install_excepthook`.)
     """
     if _world is None:
         comm = MPI.COMM_WORLD if comm is None else comm
+        watchdog.check_settings()  # a bad TINYTRAIN_TIMEOUT fails here, named, not in a wait
         _install_world(comm)
-        _install_excepthook()
         _bind_gpu(comm)
     return _world
 
@@ -169,14 +169,53 @@ def _drain(comm, limit: float = 1.0) -> None:
 
 
 def _install_excepthook() -> None:
+    """An uncaught exception on one rank of a job ends the whole job within seconds.
+
+    Without this a rank that dies leaves the others waiting (20 s, then each raises, prints its own
+    traceback and lives on) or computing until they exit by themselves. As ``python -m mpi4py``
+    does: the failing rank prints its traceback once, under a line that names it, tells the others
+    (the side channel of ``watchdog.py``) and aborts the job (``MPI_Abort``). A rank whose error
+    only echoes another's (a peer failed, a wait timed out behind it) prints one line. A program
+    that catches its own errors is untouched; on one rank this is Python's usual hook."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        if not isinstance(value, watchdog.PeerFailure):
-            watchdog.report_failure(f"{kind.__name__}: {value}")
-        previous(kind, value, tb)
+        world = MPI.COMM_WORLD
+        if world.Get_size() == 1:
+            return previous(kind, value, tb)
+        rank, code = world.Get_rank(), 130 if issubclass(kind, KeyboardInterrupt) else 1
+        echo = isinstance(value, (watchdog.PeerFailure, watchdog.CommTimeout)) or code == 130
+        watchdog.report_failure(f"{kind.__name__}: {value}")  # first: the others stop waiting at once
+        if not echo and rank != 0:  # two ranks may fail of one cause (a mismatch): the lower one tells
+            echo = _lower_rank_failed(rank, 0.5)
+        if isinstance(value, watchdog.PeerFailure):
+            sys.stderr.write(f"rank {rank}: stopped in {value.where}: rank {value.failed_rank} failed (see above)\n")
+        elif echo:
+            sys.stderr.write(f"rank {rank}: {kind.__name__}: {value}\n")
+        else:
+            sys.stderr.write(f"rank {rank} of {world.Get_size()} failed; aborting the job:\n")
+            previous(kind, value, tb)
+        sys.stderr.flush()
+        # mpirun forwards our output through a pipe: give it (and the failing rank's own abort,
+        # when this rank only echoes it) a moment before the job is ended.
+        time.sleep(1.5 if echo else 0.3)
+        world.Abort(code)
 
     sys.excepthook = hook
+
+
+def _lower_rank_failed(rank: int, seconds: float) -> bool:
+    """Did a rank below ``rank`` report a failure of its own (not an echo), within ``seconds``?"""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        known = watchdog.poll_failures()
+        if any(r < rank and not text.startswith(("PeerFailure", "CommTimeout")) for r, text in known.items()):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+_install_excepthook()  # at import: a rank may fail before its first collective
 
 
 def world() -> ProcessGroup:
