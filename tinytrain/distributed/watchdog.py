@@ -20,9 +20,10 @@ that names what was being waited for:
    short *failure notice* to every other rank on a side-channel communicator (a duplicate of the
    world communicator, used for nothing else). Waiting ranks look for notices with ``Iprobe`` while
    they poll, and raise :class:`PeerFailure` within milliseconds.
-3. Ranks call different collectives. In debug mode (``TINYTRAIN_DEBUG=1``, on in the test harness)
-   each collective first exchanges a small signature; a mismatch raises
-   :class:`CollectiveMismatch` in words (see ``work.py``).
+3. Ranks call different collectives. Each call's messages carry its signature in their tag, so
+   a rank that waits for a message finds the peer's message of another signature instead and
+   raises :class:`CollectiveMismatch` naming both calls; in debug mode (``TINYTRAIN_DEBUG=1``, on
+   in the test harness) each collective first exchanges its full signature (see ``work.py``).
 
 Why we poll instead of calling ``MPI_Wait``: a blocking MPI wait cannot be interrupted by a
 deadline, and MPICH busy-polls inside it, which is ruinous when 4 ranks share 2 cores. So we call
@@ -53,22 +54,46 @@ class CommTimeout(DistributedError):
 
 
 class PeerFailure(DistributedError):
-    """Another rank reported that it failed while this rank waited for it."""
+    """Another rank reported that it failed while this rank waited for it (``failed_rank``, during
+    ``where``: the operation this rank was in)."""
+
+    failed_rank: int | None = None
+    where: str = ""
 
 
 class CollectiveMismatch(DistributedError, ValueError):
-    """Ranks of one group called collectives that do not match (debug mode)."""
+    """Ranks of one group called collectives that do not match."""
+
+
+def seconds_setting(name: str, default: float) -> float:
+    """The environment variable ``name`` as a positive number of seconds (``default`` when unset); a
+    value that is not one is a ``ValueError`` naming the variable, not a bare float() complaint."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name}={text!r} is not a number of seconds; set it to a positive number such as {default:g}")
+    return value
 
 
 def timeout() -> float:
     """Seconds a wait may take before we ask whether it is stuck: ``TINYTRAIN_TIMEOUT`` (default 20)."""
-    return float(os.environ.get("TINYTRAIN_TIMEOUT", "20"))
+    return seconds_setting("TINYTRAIN_TIMEOUT", 20.0)
 
 
 def busy_timeout() -> float:
     """Seconds a wait may go on while the rank it waits for is alive and computing:
     ``TINYTRAIN_BUSY_TIMEOUT`` (default 600)."""
-    return float(os.environ.get("TINYTRAIN_BUSY_TIMEOUT", "600"))
+    return seconds_setting("TINYTRAIN_BUSY_TIMEOUT", 600.0)
+
+
+def check_settings() -> None:
+    """Read every seconds setting once, so that a bad value fails at ``init()``, not in a wait."""
+    timeout(), busy_timeout(), beat_every()
 
 
 def debug() -> bool:
@@ -156,12 +181,23 @@ def poll_failures() -> dict[int, str]:
 # --- heartbeats: who is busy, who waits for whom -------------------------------------------------
 
 _BEAT_TAG = 8
-_BEAT_EVERY = 1.0  # seconds between heartbeats; a rank silent for 4 of these is taken as stopped
+_UNANSWERED = 8  # beats sent to a peer we have not heard from since: then we wait for its news
+
+
+def beat_every() -> float:
+    """Seconds between heartbeats, ``TINYTRAIN_HEARTBEAT`` (default 1); a rank silent for 4 of these
+    (at least 1 s) is taken as stopped. (Tests shorten it, so that a minute of beats fits in seconds.)"""
+    return seconds_setting("TINYTRAIN_HEARTBEAT", 1.0)
+
+
+_BEAT_EVERY = 1.0  # read from TINYTRAIN_HEARTBEAT when the heartbeat starts
 _waiting_for: list[int] | None = None  # world ranks this rank waits for now (None: computing)
 _finished = False  # this rank is done (it will never answer again)
 _heartbeat: tuple[threading.Thread, threading.Event] | None = None
 _heartbeat_since = 0.0  # when this rank started beating: a peer not heard from since is given as long
 _beat_sends: list = []
+_beat_lock = threading.Lock()  # the heartbeat thread and a waiting rank both receive beats
+_unanswered: dict[int, int] = {}  # world rank -> beats sent to it since we last heard from it
 beats: dict[int, tuple[float, dict]] = {}  # world rank -> (when heard, its last state)
 
 
@@ -174,14 +210,21 @@ def start_heartbeat() -> None:
     comm = _alert_comm
     if comm is None or comm.Get_size() == 1 or _heartbeat is not None:
         return
-    global _heartbeat_since
-    _finished, _heartbeat_since = False, time.monotonic()
+    global _heartbeat_since, _BEAT_EVERY
+    _finished, _heartbeat_since, _BEAT_EVERY = False, time.monotonic(), beat_every()
+    _unanswered.clear()
     stop = threading.Event()
 
+    # The thread also *receives* the others' beats. A rank that computes (or sleeps) for minutes
+    # polls nothing, and every beat sent to it would sit in the sender's MPICH shared-memory cells
+    # (64 by default): after a minute the sender could send nothing at all, its own heartbeats
+    # stopped, and the waiting ranks took it for frozen. Read here, beats never pile up.
     def beat():
         _post_beat(comm)
+        _poll_beats(comm)
         while not stop.wait(_BEAT_EVERY):
             _post_beat(comm)
+            _poll_beats(comm)
 
     thread = threading.Thread(target=beat, name="tinytrain-heartbeat", daemon=True)
     _heartbeat = (thread, stop)
@@ -203,30 +246,46 @@ def stop_heartbeat(finished: bool = False) -> None:
     _beat_sends.clear()
 
 
+def _silent_after() -> float:
+    """Seconds without a beat after which a rank is taken as stopped: 4 beats, and never under a
+    second (a loaded machine delays a thread by tenths of a second; short beats are for tests)."""
+    return max(4 * _BEAT_EVERY, 1.0)
+
+
 def _post_beat(comm) -> None:
+    """Send this rank's state to every peer that still listens: not to a finished rank, and at
+    most ``_UNANSWERED`` beats to a rank we have not heard from since (one that holds Python's lock
+    in a long C call can read none: what it has not read would only pile up)."""
     state = {"finished": True} if _finished else {"waiting_for": _waiting_for}
     data = bytearray(json.dumps(state).encode())
     _beat_sends[:] = [(req, buf) for req, buf in _beat_sends if not req.Test()]
     for peer in range(comm.Get_size()):
-        if peer != comm.Get_rank():
-            _beat_sends.append((comm.Isend(data, dest=peer, tag=_BEAT_TAG), data))
+        if peer == comm.Get_rank() or beats.get(peer, (0, {}))[1].get("finished"):
+            continue
+        if _unanswered.get(peer, 0) >= _UNANSWERED and not _finished:
+            continue
+        _unanswered[peer] = _unanswered.get(peer, 0) + 1
+        _beat_sends.append((comm.Isend(data, dest=peer, tag=_BEAT_TAG), data))
 
 
 def _poll_beats(comm) -> None:
     status = MPI.Status()
-    while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_BEAT_TAG, status=status):
-        buf = bytearray(status.Get_count(MPI.BYTE))
-        comm.Recv(buf, source=status.Get_source(), tag=_BEAT_TAG)
-        beats[status.Get_source()] = (time.monotonic(), json.loads(buf.decode()))
+    with _beat_lock:  # probe and receive as one: another thread must not take the probed message
+        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_BEAT_TAG, status=status):
+            buf = bytearray(status.Get_count(MPI.BYTE))
+            source = status.Get_source()
+            comm.Recv(buf, source=source, tag=_BEAT_TAG)
+            beats[source] = (time.monotonic(), json.loads(buf.decode()))
+            _unanswered[source] = 0
 
 
 _UNSURE = ""  # _why_stuck: a rank on the way has not been heard from lately; ask again soon
 
 
-def _why_stuck(peers: list[int]) -> str | None:
-    """None if the waits starting at ``peers`` lead to a rank that is alive and computing (an honest
-    long wait); ``_UNSURE`` if a rank on the way was last heard from too long ago to tell; else why
-    not, in words. Only meaningful while heartbeats run."""
+def _why_stuck(peers: list[int]) -> int | str:
+    """Follow the waits starting at ``peers``: the rank they lead to that is alive and computing (an
+    int: the wait is honest); ``_UNSURE`` if a rank on the way was last heard from too long ago to
+    tell; else why not, in words. Only meaningful while heartbeats run."""
     me = _alert_comm.Get_rank()
     now, seen, todo, reasons = time.monotonic(), {me}, list(peers), []
     while todo:
@@ -235,16 +294,16 @@ def _why_stuck(peers: list[int]) -> str | None:
             continue
         seen.add(rank)
         heard, state = beats.get(rank, (_heartbeat_since, {}))
-        if now - heard > 4 * _BEAT_EVERY:
-            reasons.append(f"rank {rank} has sent no heartbeat for over {4 * _BEAT_EVERY:g} s (stopped or frozen?)")
+        if now - heard > _silent_after():
+            reasons.append(f"rank {rank} has sent no heartbeat for over {_silent_after():g} s (stopped or frozen?)")
         elif state.get("finished"):
             reasons.append(f"rank {rank} has finished")
-        elif now - heard > 2 * _BEAT_EVERY:
+        elif now - heard > _silent_after() / 2:
             # Its last word is stale: a rank stopped while it waited would still look like half of a
             # deadlock. Not evidence either way yet: wait for a fresh beat, or for its silence.
             return _UNSURE
         elif state.get("waiting_for") is None:
-            return None  # alive and computing: the wait is honest
+            return rank  # alive and computing: the wait is honest
         else:
             todo.extend(state["waiting_for"])
     waiting = sorted(r for r in seen if r == me or beats.get(r, (0, {}))[1].get("waiting_for") is not None)
@@ -256,24 +315,25 @@ def _why_stuck(peers: list[int]) -> str | None:
 # --- the one wait loop ---------------------------------------------------------------------------
 
 
-def wait_until(done, describe, pending, deadline: float | None = None) -> None:
+def wait_until(done, describe, pending, deadline: float | None = None, check=None) -> None:
     """Poll ``done()`` until it returns True, or raise.
 
     ``describe()`` says what we are doing ("all_reduce(algo=ring) on group world, ring step 2/6"),
     ``pending()`` lists what is still outstanding as ``[("recv from", world_rank), ...]``; both are
     called only when an error is raised. ``deadline`` (seconds) defaults to :func:`timeout`.
+    ``check()``, if given, is called every few polls and may raise (the collectives' signature check).
     """
     global _waiting_for
     __tracebackhide__ = True  # pytest: show the caller's line, not this loop
     if done():
         return
     try:
-        _poll_until(done, describe, pending, deadline)
+        _poll_until(done, describe, pending, deadline, check)
     finally:
         _waiting_for = None  # computing again (what the next heartbeat says)
 
 
-def _poll_until(done, describe, pending, limit: float | None) -> None:
+def _poll_until(done, describe, pending, limit: float | None, check=None) -> None:
     __tracebackhide__ = True
     start = time.perf_counter()
     polls, sleep, announced = 0, 20e-6, 0.0
@@ -290,6 +350,8 @@ def _poll_until(done, describe, pending, limit: float | None) -> None:
         if polls % _ALERT_EVERY == 0 or sleep > 20e-6:  # the side channel: cheap, but not every poll
             waited = time.perf_counter() - start
             _check_failures(describe, pending, waited)
+            if check is not None:
+                check()
             if _heartbeat is not None and waited > announced + 0.2 * _BEAT_EVERY:
                 _set_waiting_for(pending)  # what the next heartbeat says
                 announced = waited
@@ -310,11 +372,17 @@ def _past_deadline(describe, pending, waited: float, limit: float) -> None:
     why = None
     if _heartbeat is not None:
         why = _why_stuck([peer for _, peer in pending()])
-        if why is None and waited < busy_timeout():
-            return  # the ranks we wait for wait, in the end, for a rank that computes: keep waiting
-        if why == _UNSURE and waited < busy_timeout() + 4 * _BEAT_EVERY:
-            return  # within 4 beats it sends fresh news, or its silence says it is stopped
-        why = why or f"still busy after TINYTRAIN_BUSY_TIMEOUT={busy_timeout():g} s"
+        if isinstance(why, int):
+            if waited < busy_timeout():
+                return  # the ranks we wait for wait, in the end, for a rank that computes: keep waiting
+            why = (
+                f"rank {why} is alive but still computing after TINYTRAIN_BUSY_TIMEOUT={busy_timeout():g} s "
+                "(an endless loop? raise TINYTRAIN_BUSY_TIMEOUT if its work is honest)"
+            )
+        elif why == _UNSURE:
+            if waited < busy_timeout() + _silent_after():
+                return  # within 4 beats it sends fresh news, or its silence says it is stopped
+            why = f"still unsure after TINYTRAIN_BUSY_TIMEOUT={busy_timeout():g} s"
     raise CommTimeout(
         f"{describe()}: timed out after {waited:.1f} s waiting for "
         f"{_fmt_pending(pending())} (TINYTRAIN_TIMEOUT={limit:g}). "
@@ -334,7 +402,9 @@ def _check_failures(describe, pending, waited: float) -> None:
     waiting_on = {peer for _, peer in pending()}
     # Prefer naming a failed rank we are actually waiting for; any failure dooms the group anyway.
     rank = next((r for r in sorted(known) if r in waiting_on), min(known))
-    raise PeerFailure(
+    error = PeerFailure(
         f"{describe()}: rank {rank} failed while this rank waited {waited:.1f} s for "
         f"{_fmt_pending(pending())}. Rank {rank} reported: {known[rank]}"
     )
+    error.failed_rank, error.where = rank, describe()
+    raise error
