@@ -9,6 +9,8 @@ test_strict_device.py, on device buffers).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -18,8 +20,59 @@ from tinytrain.distributed.p2p import CommError, MessageSizeMismatch
 
 @pytest.fixture
 def no_debug(monkeypatch):
-    """Default settings: the signature cross-check (on in tests) is off, as in a user's run."""
+    """Default settings: the signature cross-check (on in tests) is off, as in a user's run; and no
+    signature in the tags either (as on an MPI with few tag bits), so that the receive check alone
+    catches what these tests do. (With the tags' signature: test_signature_in_the_tags_names_both_calls.)"""
+    from tinytrain.distributed import work
+
     monkeypatch.setenv("TINYTRAIN_DEBUG", "0")
+    monkeypatch.setattr(work, "_SIG_BITS", 0)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize(
+    "case",
+    ["float64", "max", "count", "all_gather"],
+)
+def test_signature_in_the_tags_names_both_calls(monkeypatch, case):
+    """Without debug mode, a rank that calls something else (dtype, reduce op, size, operation,
+    size) is named with both calls by the waiting rank that finds its message (work.py). (A wrong
+    root alone may leave no rank waiting for a message of another signature: the deadline, or debug
+    mode, names that one.)"""
+    monkeypatch.setenv("TINYTRAIN_DEBUG", "0")
+    r = dist.get_rank()
+    odd = r == 1
+    x = np.ones(8, dtype=np.float64 if odd and case == "float64" else np.float32)
+    if case == "count" and odd:
+        x = np.ones(16, dtype=np.float32)
+    # what the message must say, in any order (the rank that tells may be either of the two)
+    expected = {
+        "float64": [r"rank 1 called all_reduce\(op=sum, float64\)", r"rank 0 called all_reduce\(op=sum, float32\)",
+                    r"differ in dtype\b"],
+        "max": [r"rank 1 called all_reduce\(op=max, float32\)", r"rank 0 called all_reduce\(op=sum, float32\)",
+                r"differ in reduce op\b"],
+        "count": [r"rank 1 called all_reduce\(op=sum, float32\)", r"differ in element count\b"],
+        "all_gather": [r"rank 1 called all_gather\(float32\)", r"differ in operation\b"],
+    }[case]  # fmt: skip
+
+    def call():
+        if case == "max":
+            dist.all_reduce(x, op="max" if odd else "sum")
+        elif case == "all_gather":
+            dist.all_gather(x) if odd else dist.all_reduce(x)
+        else:
+            dist.all_reduce(x)
+
+    with pytest.raises(dist.DistributedError) as err:
+        call()
+    if isinstance(err.value, dist.CollectiveMismatch):
+        dist.report_failure(f"CollectiveMismatch: {err.value}")  # what an uncaught error does
+        assert f"rank {r} called" in str(err.value)  # it names its own call, and the other one
+    else:  # a rank that waited behind the two: it hears of the mismatch from one of them
+        assert isinstance(err.value, dist.PeerFailure), err.value
+    assert "collective mismatch on group world" in str(err.value), str(err.value)
+    for pattern in expected:
+        assert re.search(pattern, str(err.value)), (pattern, str(err.value))
 
 
 @pytest.mark.world_size(4)

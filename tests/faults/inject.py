@@ -7,13 +7,14 @@ get a signal?", an all-reduce over the world), on rank ``RANK`` at step ``STEP``
 
     raise    raise RuntimeError before the vote's all-reduce
     skip     do not take part in the vote (the rank goes on to the next step's collectives)
-    dtype    vote with a float64 array (the others: float32)
+    dtype    vote with an int64 array (the others: int32)
     shape    vote with 2 elements (the others: 1)
     sendsend ranks RANK and RANK+1 both send 4 MB to each other, then receive: neither receive is posted
     kill     SIGKILL this rank
     stop     SIGSTOP this rank (frozen: alive to the OS, silent to MPI)
     spin     loop forever in pure Python
-    slow     sleep 6 s (an honest slow rank: the job must finish)
+    slow     sleep SLOW seconds (default 6; an honest slow rank: the job must finish)
+    compute  compute in NumPy for SLOW seconds (honest too)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tinytrain.cli import main
 from tinytrain.trainer import runners
 
 FAULT, RANK, STEP = os.environ["FAULT"], int(os.environ.get("RANK", "1")), int(os.environ.get("STEP", "2"))
+SLOW = float(os.environ.get("SLOW", "6"))
 _real_vote = runners.MeshRunner.vote
 _votes = {"n": 0}
 
@@ -50,7 +52,7 @@ def vote(self, value: int) -> int:
     if FAULT == "skip":
         return 0
     if FAULT in ("dtype", "shape"):
-        votes = numpy.zeros(2 if FAULT == "shape" else 1, dtype=numpy.float64 if FAULT == "dtype" else numpy.float32)
+        votes = numpy.zeros(2 if FAULT == "shape" else 1, dtype=numpy.int64 if FAULT == "dtype" else numpy.int32)
         self.dist.all_reduce(votes, op="max")
         return int(votes[0])
     if FAULT == "kill":
@@ -61,7 +63,11 @@ def vote(self, value: int) -> int:
         while True:
             pass
     if FAULT == "slow":
-        time.sleep(6)
+        time.sleep(SLOW)
+    if FAULT == "compute":
+        end, a = time.monotonic() + SLOW, numpy.ones((256, 256))
+        while time.monotonic() < end:
+            a = a @ a / 256
     return _real_vote(self, value)
 
 

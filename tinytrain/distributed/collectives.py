@@ -42,7 +42,7 @@ from .choice import ALL_REDUCE_ALGOS, AlgorithmSource, choose_all_reduce_algo
 from .chunks import OPS, chunk_bounds, row_bounds, split_counts
 from .group import resolve
 from .p2p import check_buffer
-from .work import Call, run
+from .work import Call, run, signature_bits
 
 __all__ = ["ALL_REDUCE_ALGOS", "OPS", "Collectives", "choose_all_reduce_algo", "split_counts"]
 
@@ -81,7 +81,7 @@ class Collectives(AlgorithmSource):
                 flat[...] /= g.size
             return tensor
 
-        c = Call(g, "all_reduce", algo)
+        c = Call(g, "all_reduce", algo, signature_bits("all_reduce", tensor, op))
         return run(c, steps(), async_op, lambda: signature(tensor, same_shape=True, reduce=op, algo=algo))
 
     def broadcast(self, tensor, src: int = 0, group=None, async_op: bool = False, algo: str | None = None):
@@ -100,7 +100,7 @@ class Collectives(AlgorithmSource):
             yield from body(c, flat, root)
             return tensor
 
-        c = Call(g, "broadcast", algo)
+        c = Call(g, "broadcast", algo, signature_bits("broadcast", tensor, root=root))
         return run(c, steps(), async_op, lambda: signature(tensor, same_shape=True, root=root, algo=algo))
 
     def reduce(
@@ -125,7 +125,7 @@ class Collectives(AlgorithmSource):
                 flat[...] /= g.size
             return tensor
 
-        c = Call(g, "reduce", algo)
+        c = Call(g, "reduce", algo, signature_bits("reduce", tensor, op, root))
         return run(c, steps(), async_op, lambda: signature(tensor, same_shape=True, root=root, reduce=op, algo=algo))
 
     def bytes_sent(self, op: str, sizes, itemsize: int, group=None) -> int:
@@ -184,7 +184,7 @@ class Collectives(AlgorithmSource):
                 yield from self._alg("_ring_all_gather")(c, flat, bounds, shift=-1)
             return out
 
-        c = Call(g, "all_gather", "ring")
+        c = Call(g, "all_gather", "ring", signature_bits("all_gather", tensor, count=asked is None))
         return run(c, steps(), async_op, sig)
 
     def reduce_scatter(
@@ -219,7 +219,7 @@ class Collectives(AlgorithmSource):
                 flat[...] /= g.size
             return out
 
-        c = Call(g, "reduce_scatter", "ring")
+        c = Call(g, "reduce_scatter", "ring", signature_bits("reduce_scatter", tensor, op))
         return run(
             c, steps(), async_op, lambda: signature(tensor, same_shape=True, reduce=op, sizes=sizes, algo="ring")
         )
@@ -263,7 +263,7 @@ class Collectives(AlgorithmSource):
             yield from self._all_to_all()(c, tensor.reshape(-1), send_bounds, out.reshape(-1), recv_bounds)
             return out
 
-        c = Call(g, "all_to_all", "pairwise")
+        c = Call(g, "all_to_all", "pairwise", signature_bits("all_to_all", tensor, count=False))
         return run(c, steps(), async_op, lambda: signature(tensor, same_shape=False, tail=list(tail), algo="pairwise"))
 
     def gather(self, tensor, dst: int = 0, group=None, async_op: bool = False, algo: str | None = None, out=None):
@@ -287,7 +287,7 @@ class Collectives(AlgorithmSource):
             yield from rooted.gather_linear(c, tensor.reshape(-1), whole, root, bounds)
             return out if g.rank == root else None
 
-        c = Call(g, "gather", "linear")
+        c = Call(g, "gather", "linear", signature_bits("gather", tensor, root=root))
         return run(c, steps(), async_op, lambda: signature(tensor, same_shape=True, root=root, algo="linear"))
 
     def scatter(self, tensor, full=None, src: int = 0, group=None, async_op: bool = False, algo: str | None = None):
@@ -308,13 +308,13 @@ class Collectives(AlgorithmSource):
             yield from rooted.scatter_linear(c, tensor.reshape(-1), whole, root, bounds)
             return tensor
 
-        c = Call(g, "scatter", "linear")
+        c = Call(g, "scatter", "linear", signature_bits("scatter", tensor, root=root))
         return run(c, steps(), async_op, lambda: signature(tensor, same_shape=True, root=root, algo="linear"))
 
     def barrier(self, group=None, async_op: bool = False):
         """Return once every rank of the group has entered (dissemination algorithm, zero-byte messages)."""
         __tracebackhide__ = True  # in pytest, errors point at the caller's line
         g = resolve(group)
-        c = Call(g, "barrier", "dissemination")
+        c = Call(g, "barrier", "dissemination", signature_bits("barrier"))
         sig = {"shape": [], "dtype": "none", "same_shape": True}
         return run(c, doubling.barrier_dissemination(c), async_op, lambda: sig)

@@ -12,16 +12,21 @@ drives it does:
   :func:`start_progress_thread` advance every pending async handle. Without polling, only the
   first step's messages move.
 
-Every call's messages carry a tag derived from the group's collective counter, so two collectives
-in flight on one group never confuse their messages. In debug mode (``TINYTRAIN_DEBUG=1``) every
-rank first tells every other what it is calling, and a mismatch raises
-:class:`~watchdog.CollectiveMismatch` in words.
+Every call's messages carry a tag made of the group's collective counter and the call's
+*signature* (operation, reduce op, dtype, element count and root, in 19 bits), so two collectives
+in flight on one group never confuse their messages, and ranks that call different things never
+match each other's messages: a waiting rank that finds a message of its call's number but another
+signature raises :class:`~watchdog.CollectiveMismatch` naming both calls (``_check_signatures``).
+That costs nothing on the way (a tag is sent anyway) and is always on. In debug mode
+(``TINYTRAIN_DEBUG=1``) every rank first tells every other what it is calling in full (shapes,
+sizes, algorithm), and a mismatch raises the same error with every detail.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import zlib
 from collections import OrderedDict
 
 import numpy
@@ -29,11 +34,58 @@ import numpy
 from tinytrain import trace
 
 from . import group, watchdog
-from .chunks import xp_of
+from ._mpi import MPI
+from .chunks import OPS, xp_of
 from .p2p import Exchange
 
-_TAG_BASE, _TAG_SPAN = 1024, 30000  # collective tags: 1024 + seq % 30000
-_SIG_TAG, _SIG_BYTES = 32000, 512  # debug-mode signature exchange
+# Collective tags: _TAG_BASE + (seq % _SEQ_SPAN) << _SIG_BITS | signature. MPICH allows tags up to
+# 2**29 - 1; an MPI with fewer tag bits (the standard guarantees only 32767) gets no signature bits.
+_TAG_BASE, _SIG_BITS = 1024, 19
+if MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) < _TAG_BASE + ((1000 + 1) << _SIG_BITS):
+    _SIG_BITS = 0
+_SEQ_SPAN = 1000 if _SIG_BITS else 30000  # collectives of one group that may be in flight at once
+_TAG_SPAN = _SEQ_SPAN << _SIG_BITS  # tags _TAG_BASE .. _TAG_BASE + _TAG_SPAN - 1 are collectives'
+_SIG_TAG, _SIG_BYTES = _TAG_BASE + _TAG_SPAN + 1, 512  # debug-mode signature exchange (+0: bench floor)
+
+# The signature's fields: operation (4 bits), reduce op (3), dtype (5), then 7 bits of a hash of the
+# element count and the root. Codes start at 1; 0 means "not part of this call".
+_OP_CODES = {name: i + 1 for i, name in enumerate(
+    ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
+     "barrier")
+)}  # fmt: skip
+_REDUCE_CODES = {name: i + 1 for i, name in enumerate(OPS)}
+_DTYPE_CODES = {char: i + 1 for i, char in enumerate("?bBhHiIlLqQefdgFDG")}  # numpy's type characters
+_NO_DTYPE = 31  # any other dtype (ml_dtypes' bfloat16, ...)
+
+
+def signature_bits(op: str, tensor=None, reduce: str | None = None, root: int = 0, count: bool = True) -> int:
+    """The call's signature as it travels in the tags of its messages (what every rank must agree on).
+
+    ``count=False`` where ranks may legally pass different sizes (all_gather with ``sizes``,
+    all_to_all)."""
+    if not _SIG_BITS:
+        return 0
+    dtype = 0 if tensor is None else _DTYPE_CODES.get(tensor.dtype.char, _NO_DTYPE)
+    extra = hash((tensor.size if count and tensor is not None else -1, root)) & 0x7F  # ints hash alike everywhere
+    return _OP_CODES[op] << 15 | _REDUCE_CODES.get(reduce, 0) << 12 | dtype << 7 | extra
+
+
+def _describe_signature(sig: int, seq: int) -> tuple[str, dict]:
+    """What a signature says, in words, and its fields (to say which differ)."""
+    ops = {v: k for k, v in _OP_CODES.items()}
+    reduces = {v: k for k, v in _REDUCE_CODES.items()}
+    dtypes = {v: numpy.dtype(k).name for k, v in _DTYPE_CODES.items()}
+    fields = {
+        "operation": ops.get(sig >> 15, "an unknown operation"),
+        "reduce op": reduces.get(sig >> 12 & 7),
+        "dtype": dtypes.get(sig >> 7 & 31, "another dtype" if sig >> 7 & 31 else None),
+        "element count or root": sig & 0x7F,
+    }
+    if fields["operation"] in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "barrier"):
+        fields["element count"] = fields.pop("element count or root")  # no root to differ in
+    args = [f"op={fields['reduce op']}"] if fields["reduce op"] else []
+    args += [fields["dtype"]] if fields["dtype"] else []
+    return f"{fields['operation']}({', '.join(args)}) [collective #{seq}]", fields
 
 
 class Call:
@@ -44,12 +96,12 @@ class Call:
         "borrowed",
     )  # fmt: skip
 
-    def __init__(self, group, op: str, algo: str):
+    def __init__(self, group, op: str, algo: str, signature: int = 0):
         self.group, self.op, self.algo = group, op, algo
         self.rank, self.size = group.rank, group.size
         self.seq = group.seq
         group.seq += 1
-        self.tag = _TAG_BASE + self.seq % _TAG_SPAN
+        self.tag = _TAG_BASE + ((self.seq % _SEQ_SPAN) << _SIG_BITS | signature)
         self.step = None  # the Exchange in flight
         self.start = trace.now() if trace.enabled else 0.0
         self.bytes_sent = self.bytes_recv = 0  # for the trace span of the whole call
@@ -96,10 +148,44 @@ class Call:
         the group unusable, since this call's messages may still be in flight."""
         __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
         try:
-            watchdog.wait_until(done, self.describe, pending, timeout)
-        except (watchdog.CommTimeout, watchdog.PeerFailure) as exc:
+            watchdog.wait_until(done, self.describe, pending, timeout, self._check_signatures)
+        except (watchdog.CommTimeout, watchdog.PeerFailure, watchdog.CollectiveMismatch) as exc:
             self.group.broken = f"{type(exc).__name__} in {self.op} #{self.seq}"
             raise
+
+    def _check_signatures(self) -> None:
+        """Raise CollectiveMismatch if a rank we wait for sent a message of this call's number under
+        another signature (it called something else: another op, dtype, size or root).
+
+        Called by a wait that did not end at once, every few polls: a probe per awaited peer."""
+        __tracebackhide__ = True
+        step = self.step
+        if step is None or not _SIG_BITS:
+            return
+        status, mine = MPI.Status(), self.tag - _TAG_BASE
+        for label, world_peer, _ in step.posted:
+            if label != "recv from":
+                continue
+            peer = self.group.world_ranks.index(world_peer)
+            if not self.group.comm.Iprobe(source=peer, tag=MPI.ANY_TAG, status=status):
+                continue
+            theirs = status.Get_tag() - _TAG_BASE
+            if 0 <= theirs < _TAG_SPAN and theirs >> _SIG_BITS == mine >> _SIG_BITS and theirs != mine:
+                raise self._mismatch(world_peer, theirs)
+
+    def _mismatch(self, world_peer: int, theirs: int) -> watchdog.CollectiveMismatch:
+        mask = (1 << _SIG_BITS) - 1
+        mine_text, mine = _describe_signature((self.tag - _TAG_BASE) & mask, self.seq)
+        their_text, their = _describe_signature(theirs & mask, self.seq)
+        differ = [k for k in mine if mine[k] != their.get(k)]
+        differ = ["operation"] if "operation" in differ else differ  # the rest follows from it
+        me = self.group.world_rank(self.rank)
+        return watchdog.CollectiveMismatch(
+            f"collective mismatch on {self.group.describe()}: rank {world_peer} called {their_text} while "
+            f"rank {me} called {mine_text} (they differ in {' and '.join(differ)}). Every rank of a group "
+            "must call the same collectives in the same order, with the same op, dtype and element count "
+            "(and root); TINYTRAIN_DEBUG=1 shows both calls in full."
+        )
 
 
 # Scratch buffers of finished calls, by (array module, dtype, length), most recently used last. Only a
@@ -296,8 +382,8 @@ def stop_progress_thread() -> None:
 def _checked(c: Call, sig: dict, body):
     """Exchange signatures with every rank of the group, compare, then run ``body``."""
     __tracebackhide__ = True  # pytest: show the caller's line, not this machinery
-    mine = dict(sig, op=c.op, seq=c.seq)
-    blob = json.dumps(mine).encode()[:_SIG_BYTES].ljust(_SIG_BYTES)
+    mine = _fitting(dict(sig, op=c.op, seq=c.seq))
+    blob = json.dumps(mine).encode().ljust(_SIG_BYTES)
     send = numpy.frombuffer(blob, dtype=numpy.uint8).copy()
     theirs = {p: numpy.empty(_SIG_BYTES, dtype=numpy.uint8) for p in range(c.size) if p != c.rank}
     # Counted under its own name, so byte accounting of the real operation stays textbook-exact.
@@ -313,8 +399,26 @@ def _checked(c: Call, sig: dict, body):
     return (yield from body)
 
 
+def _fitting(sig: dict) -> dict:
+    """``sig`` with its long lists (``sizes`` on 64 ranks, a long shape) replaced by a digest, so that
+    it fits in ``_SIG_BYTES``: ranks still compare equal exactly when their lists are equal."""
+    if len(json.dumps(sig)) <= _SIG_BYTES:
+        return sig
+    short = dict(sig)
+    for key in ("sizes", "shape", "tail"):
+        value = short.get(key)
+        if isinstance(value, list) and len(value) > 4:
+            short[key] = f"{len(value)} values, crc32 {zlib.crc32(json.dumps(value).encode()):08x}"
+    if len(json.dumps(short)) > _SIG_BYTES:
+        raise ValueError(
+            f"{sig['op']}: the call's signature does not fit the debug check ({len(json.dumps(short))} bytes)"
+        )
+    return short
+
+
 def _fmt_sig(s: dict) -> str:
-    args = [f"shape={tuple(s['shape'])}", s["dtype"]]
+    shape = tuple(s["shape"]) if isinstance(s["shape"], list) else s["shape"]  # or its digest (_fitting)
+    args = [f"shape={shape}", s["dtype"]]
     args += [f"{k}={s[k]}" for k in ("reduce", "root", "algo", "sizes") if s.get(k) is not None]
     return f"{s['op']}({', '.join(args)}) [collective #{s['seq']}]"
 
