@@ -38,6 +38,7 @@ import shutil
 import tempfile
 import zipfile
 import zlib
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -93,6 +94,41 @@ def _file_mode() -> int:
 
 _MODE = _file_mode()
 TEMP_SUFFIX = ".tmp"
+
+
+LOCK_NAME = ".lock"
+
+
+@contextmanager
+def folder_lock(folder, flag: str, hold: bool = True):
+    """Hold ``folder`` for this run: a second run into it meanwhile is refused in a sentence.
+
+    An advisory lock (``flock``) on a file in the folder, which the kernel drops when the process
+    ends however it ends: a killed run never leaves the folder locked. The file names the holder,
+    for the message. ``hold=False`` (ranks other than the one that writes) does nothing."""
+    if not hold:
+        yield
+        return
+    import fcntl
+    import socket
+    import time
+
+    fd = os.open(Path(folder) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 300).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ValueError(
+            f"{flag} {folder} is in use by a run that is still going ({holder}); wait for it to end, "
+            f"or choose another {flag}"
+        ) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}".encode())
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the file stays (removing it would race with a new holder)
 
 
 def atomic_write(path, write) -> None:

@@ -85,6 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="continue from OUT/ckpt (written by any layout: the run may change --dp/--tp/--pp/--zero)",
     )
+    run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="train afresh into an --out that holds a checkpoint (without it such an --out is refused)",
+    )
     run.add_argument("--eval-every", type=int, default=100)
     run.add_argument("--eval-batches", type=int, default=4)
     run.add_argument("--ckpt-every", type=int, default=200)

@@ -137,6 +137,12 @@ def _stop_heartbeat() -> None:
 def train(args) -> int:
     check_args(args)
     out = prepare_outputs(args)
+    with checkpoint.folder_lock(out, "--out", hold=_writes_outputs()):  # one live run per --out
+        refuse_to_overwrite(out, args)
+        return _train(args, out)
+
+
+def _train(args, out: Path) -> int:
     default_layout(args)
     dataset = load_dataset(args.data, args.block_size, args.digits)
     use_implementation(args.impl)  # before the model and the schedules are built
@@ -207,7 +213,12 @@ def train(args) -> int:
             # every rank stops after the same step, with the signal one of them got (0: none)
             stop = runner.vote(interrupts.signal or 0)
             if step % args.ckpt_every == 0 or step == args.steps or stop:
-                save(runner, ckpt, step, optimizer, metrics, args, model)
+                try:
+                    save(runner, ckpt, step, optimizer, metrics, args, model)
+                except BaseException:
+                    if runner.is_main:  # the steps done are not lost with the checkpoint
+                        keep_metrics(out, metrics)
+                    raise
                 saved_step = step
             if stop:
                 return interrupted(runner, out, metrics, stop, saved_step, quiet)
@@ -255,6 +266,14 @@ def write_metrics(out: Path, metrics: dict, args, dataset) -> None:
         checkpoint.atomic_write(
             out / "expert_load.png", lambda f: plot_expert_load(metrics, f, experts_per_rank=per_rank)
         )
+
+
+def keep_metrics(out: Path, metrics: dict) -> None:
+    """metrics.json after a save failed (a full disk): small, so it may still fit; never a second error."""
+    try:
+        checkpoint.atomic_write(out / "metrics.json", lambda f: f.write(json.dumps(metrics, indent=1).encode()))
+    except OSError:
+        pass  # the save's own error says what is wrong with the disk
 
 
 def interrupted(runner, out: Path, metrics: dict, signum: int, step: int, quiet: bool) -> int:
@@ -326,6 +345,31 @@ def prepare_outputs(args) -> Path:
         _check_writable(trace_path.parent, "--trace")
         args.trace = str(trace_path)
     return out
+
+
+def refuse_to_overwrite(out: Path, args) -> None:
+    """A run without --resume into an --out that holds a checkpoint would replace it: refused,
+    unless asked for (--overwrite)."""
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the checkpoint in --out and --overwrite replaces it: give one of them")
+    if args.resume or args.overwrite or not (out / "ckpt" / "manifest.json").is_file():
+        return
+    try:
+        held = f"a checkpoint of step {checkpoint.Reader(out / 'ckpt').meta['step']}"
+    except (ValueError, OSError):
+        held = "a checkpoint"
+    raise ValueError(
+        f"--out {out} holds {held}; add --resume to continue it, --overwrite to train afresh over it, "
+        "or choose another --out"
+    )
+
+
+def _writes_outputs() -> bool:
+    """Is this the rank that writes --out's files (and so holds its lock)? Rank 0 of the job."""
+    dist = sys.modules.get("tinytrain.distributed")
+    if dist is not None and dist.is_initialized():
+        return dist.get_rank() == 0
+    return launched_world()[0] == 0
 
 
 def _check_writable(folder: Path, flag: str) -> None:
