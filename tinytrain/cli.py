@@ -19,6 +19,8 @@ import sys
 import time
 import traceback
 
+from tinytrain import env
+
 # name -> module with ``add_arguments(parser)`` and ``run(args)``
 _COMMANDS = {
     "train": ("tinytrain.trainer", "train a GPT (serial, or under mpirun with --dp/--tp/--pp)"),
@@ -61,15 +63,23 @@ def main(argv=None) -> int:
     """
     as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or os.environ.get("TINYTRAIN_DEBUG", "0") not in ("", "0")
+    debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     command = next((a for a in argv if a in _COMMANDS), None)
     try:
+        debug = env.switch("TINYTRAIN_DEBUG", what="show tracebacks") or debug
         parser = build_parser()
         args = parser.parse_args(argv)
-        return int(importlib.import_module(args._module).run(args) or 0)
+        code = int(importlib.import_module(args._module).run(args) or 0)
+        if as_program:
+            sys.stdout.flush()  # a reader that went away (`| head -1`) is noticed here, not at exit
+        return code
     except SystemExit:
         raise  # argparse's usage errors, and exits a command chose itself
+    except BrokenPipeError:
+        if not as_program:
+            raise
+        _reader_gone()
     except BaseException as exc:
         bad_input = is_bad_input(exc)
         if not as_program and not bad_input:
@@ -80,6 +90,17 @@ def main(argv=None) -> int:
             raise SystemExit(EXIT_BAD_INPUT) from exc
         fail(command, exc, debug)
     return EXIT_ERROR  # not reached: fail() does not return
+
+
+def _reader_gone() -> None:
+    """Whoever read our output stopped reading (``tinytrain plan --json | head -1``): end quietly,
+    as a Unix tool killed by SIGPIPE would (the Python docs' recipe: point stdout at devnull, so
+    that flushing it at exit cannot fail again). Under mpirun the other ranks end too."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    if _world()[1] > 1:
+        _abort(EXIT_ERROR)
+    sys.exit(EXIT_ERROR)
 
 
 def is_bad_input(exc: BaseException) -> bool:

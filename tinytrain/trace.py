@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 
-enabled: bool = os.environ.get("TINYTRAIN_TRACE", "0") not in ("", "0")
+from tinytrain import env
+
+enabled: bool = env.switch("TINYTRAIN_TRACE", what="record spans")  # a bad value: one sentence
 _spans: list[dict] = []
 _rank: int | None = None  # set by tinytrain.distributed (see set_rank)
 _merge = None  # set by tinytrain.distributed (see set_merge)

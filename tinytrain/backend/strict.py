@@ -26,7 +26,6 @@ CuPy functions that do not exist (anything NumPy has works here).
 
 from __future__ import annotations
 
-import os
 import threading
 import types
 import weakref
@@ -347,7 +346,9 @@ def get_array_module(*args):
 
 
 def _device_count() -> int:
-    return int(os.environ.get("TINYTRAIN_STRICT_GPUS", "4"))
+    from tinytrain import env
+
+    return env.positive_int("TINYTRAIN_STRICT_GPUS", 4, what="how many GPUs the strict stand-in has")
 
 
 class _Runtime:
