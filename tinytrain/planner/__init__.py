@@ -10,7 +10,21 @@ import json
 import sys
 from dataclasses import asdict, replace
 
-from .layouts import GB, OPTIONAL, PRESETS, Cluster, Layout, ModelSpec, best, estimate, layouts, memory_per_gpu, plan
+from .layouts import (
+    GB,
+    OPTIONAL,
+    PRESETS,
+    Cluster,
+    Layout,
+    ModelSpec,
+    best,
+    estimate,
+    layouts,
+    memory_per_gpu,
+    most_gpus,
+    no_layout,
+    plan,
+)
 from .measured import bench_points, calibrate, measure_step, run_bytes, run_time
 
 __all__ = [
@@ -24,6 +38,8 @@ __all__ = [
     "estimate",
     "layouts",
     "memory_per_gpu",
+    "most_gpus",
+    "no_layout",
     "plan",
     "bench_points",
     "calibrate",
@@ -100,6 +116,8 @@ def from_args(args) -> tuple[ModelSpec, Cluster]:
     for k in positive:
         if not getattr(args, k) > 0:  # nan too
             raise ValueError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+    if args.top < 1:
+        raise ValueError(f"--top must be at least 1, got {args.top}")
     if not args.efficiency <= 1:
         raise ValueError(f"--efficiency is a share of peak: at most 1, got {args.efficiency}")
     cluster = Cluster(
@@ -131,6 +149,8 @@ def _row(r: dict) -> str:
 def run(args) -> int:
     model, cluster = from_args(args)
     rows = plan(model, cluster, without=args.without)
+    if not rows:
+        raise ValueError(no_layout(model, cluster.gpus, args.without))
     if args.json:
         json.dump({"model": asdict(model), "cluster": asdict(cluster), "layouts": rows}, sys.stdout)
         print()
@@ -141,9 +161,11 @@ def run(args) -> int:
         f"on {cluster.nodes} x {cluster.gpus_per_node} GPUs of {cluster.memory / GB:.0f} GB"
     )
     if not fitting:
-        smallest = min(rows, key=lambda r: r["memory"]["total"]) if rows else None
-        need = f" (the smallest needs {smallest['memory']['total'] / GB:.1f} GB per GPU)" if smallest else ""
-        print(f"no layout fits{need}: add GPUs or memory")
+        smallest = min(rows, key=lambda r: r["memory"]["total"])
+        more = "add GPUs or memory" if cluster.gpus < most_gpus(model, args.without) else "add memory"
+        if more == "add memory":
+            more += " (this model cannot use more GPUs) or make the model smaller"
+        print(f"no layout fits (the smallest needs {smallest['memory']['total'] / GB:.4g} GB per GPU): {more}")
         return 1
     print(f"{len(fitting)} of {len(rows)} layouts fit; the fastest:")
     for r in fitting[: args.top]:

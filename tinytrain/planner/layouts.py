@@ -25,7 +25,9 @@ extra activations, overlap of TP, EP or PP messages with compute, interleaved sc
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import math
 from dataclasses import asdict, dataclass
 
 from tinytrain.parallel.costs import (
@@ -153,18 +155,21 @@ def shards(model: ModelSpec, lo: Layout) -> tuple[float, float]:
     return (model.parameters - model.expert_parameters) / (lo.tp * lo.pp), expert
 
 
-def memory_per_gpu(model: ModelSpec, lo: Layout) -> dict:
+def memory_per_gpu(model: ModelSpec, lo: Layout, state_bytes=(2, 2, 12), itemsize: int = ACTIVATION_BYTES) -> dict:
     """Bytes one GPU holds: model state (``zero_memory``; the dense weights sharded over the data
     group dp·ep·cp, the experts over dp·cp) and the activations of stage 0, which under 1F1B holds
-    min(p, m) micro-batches of its layers (and, recomputing, one layer's full set at a time)."""
+    min(p, m) micro-batches of its layers (and, recomputing, one layer's full set at a time).
+    ``state_bytes``: bytes per parameter of (weights, gradients, optimizer state), mixed-precision
+    Adam by default; ``itemsize``: of an activation (tinytrain's fp32 AdamW: (4, 4, 8) and 4)."""
     dense, expert = shards(model, lo)
-    state = zero_memory(dense, lo.dp * lo.ep * lo.cp, lo.zero)
-    experts = zero_memory(expert, lo.dp * lo.cp, lo.zero)
+    state = zero_memory(dense, lo.dp * lo.ep * lo.cp, lo.zero, *state_bytes)
+    experts = zero_memory(expert, lo.dp * lo.cp, lo.zero, *state_bytes)
     s, m = model.seq // lo.cp, model.batch // (lo.dp * lo.ep * lo.microbatch)
-    layer = activation_bytes_per_layer(s, lo.microbatch, model.hidden, model.heads, lo.tp, lo.sp, lo.recompute)
+    h, a = model.hidden, model.heads
+    layer = activation_bytes_per_layer(s, lo.microbatch, h, a, lo.tp, lo.sp, lo.recompute, itemsize)
     activations = layer * model.layers / lo.pp * (min(lo.pp, m) if lo.pp > 1 else 1)
     if lo.recompute:
-        activations += activation_bytes_per_layer(s, lo.microbatch, model.hidden, model.heads, lo.tp, lo.sp)
+        activations += activation_bytes_per_layer(s, lo.microbatch, h, a, lo.tp, lo.sp, itemsize=itemsize)
     memory = {k: state[k] + experts[k] for k in ("params", "grads", "optimizer")}
     memory["activations"] = activations
     memory["total"] = sum(memory.values())
@@ -316,17 +321,71 @@ def layouts(model: ModelSpec, gpus: int, microbatches=(1, 2, 4, 8), without=()):
     zeros = [0] if "zero" in without else range(4)
     sps = [False] if "sp" in without else (False, True)
     recomputes = [False] if "recompute" in without else (False, True)
+    stages = _divisors(math.gcd(model.layers, gpus))  # pp divides both (not range(layers): --layers 10**8)
     for tp, cp, ep in itertools.product(_powers_of_two(model.heads), cps, eps or [1]):
         if model.heads % tp or model.seq % (2 * cp) or gpus % (tp * cp * ep):
             continue
-        for pp in range(1, model.layers + 1):
-            if model.layers % pp or gpus % (tp * cp * ep * pp):
+        for pp in stages:
+            if gpus % (tp * cp * ep * pp):
                 continue
             dp = gpus // (tp * cp * ep * pp)
             for zero, sp, b, recompute in itertools.product(zeros, sps, microbatches, recomputes):
                 if (zero > 1 and pp > 1) or (sp and tp == 1) or model.batch % (dp * ep * b):
                     continue
                 yield Layout(dp, tp, pp, cp, sp, zero, b, recompute, ep)
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n`` >= 1, ascending (trial division up to its square root)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def _tp_cp_sizes(model: ModelSpec, without=()) -> tuple[list[int], list[int]]:
+    """The TP and CP sizes :func:`layouts` tries for ``model``, ascending."""
+    tps = [t for t in _powers_of_two(model.heads) if model.heads % t == 0]
+    cps = [c for c in ([1] if "cp" in without else _powers_of_two(16)) if model.seq % (2 * c) == 0] or [1]
+    return tps, cps
+
+
+def most_gpus(model: ModelSpec, without=()) -> int:
+    """The most GPUs any layout of ``model`` spans: every factor at its largest (dp·ep: one
+    sequence of the batch each, tp, cp, and pp: one stage per layer)."""
+    tps, cps = _tp_cp_sizes(model, without)
+    return model.batch * tps[-1] * cps[-1] * model.layers
+
+
+def no_layout(model: ModelSpec, gpus: int, without=()) -> str:
+    """Why :func:`layouts` has none for ``gpus`` GPUs, in one sentence with the flags to change: the
+    cluster is larger than the model can use (every factor at its largest), or no product of the
+    factors its rules allow is exactly ``gpus`` (then the nearest counts that have one)."""
+    tps, cps = _tp_cp_sizes(model, without)
+    most = most_gpus(model, without)
+    if gpus > most:
+        return (
+            f"{gpus:,} GPUs are more than this model can use: at most {most:,} (--batch {model.batch} replicas "
+            f"of one sequence x tp {tps[-1]}, the largest power of two dividing --heads {model.heads}, x cp "
+            f"{cps[-1]} x pp {model.layers}, one stage per layer of --layers); use fewer --nodes or "
+            "--gpus-per-node, or a larger --batch"
+        )
+    rules = (
+        f"a layout's dp x ep x pp x cp x tp must be exactly {gpus:,}, with dp x ep dividing --batch "
+        f"{model.batch}, pp dividing --layers {model.layers}, tp a power of two dividing --heads {model.heads}"
+        + (f" and cp a power of two up to 16 dividing half of --seq {model.seq}" if "cp" not in without else "")
+    )
+    if max(model.batch, model.layers) > 10**12:  # too many divisors to look for the nearest counts
+        return f"no layout splits this model over {gpus:,} GPUs: {rules}"
+    batch_divisors = _divisors(model.batch)
+    below, above = 0, None
+    for tp, cp, pp in itertools.product(tps, cps, _divisors(model.layers)):
+        rest = tp * cp * pp
+        i = bisect.bisect_right(batch_divisors, gpus // rest)
+        if i:
+            below = max(below, batch_divisors[i - 1] * rest)
+        if i < len(batch_divisors):
+            above = min(above or math.inf, batch_divisors[i] * rest)
+    nearest = " or ".join(f"{n:,}" for n in (below, above) if n)
+    return f"no layout splits this model over {gpus:,} GPUs: {rules}; the nearest GPU counts that have one: {nearest}"
 
 
 def plan(model: ModelSpec, cluster: Cluster, without=()) -> list[dict]:
