@@ -69,6 +69,23 @@ def launcher_ranks_here() -> int:
     return 1
 
 
+def host_memory_available() -> int | None:
+    """Bytes of host memory new arrays can still get without swapping, for all the processes of this
+    machine together: ``MemAvailable`` of /proc/meminfo (Linux), else the free pages the OS reports
+    (``os.sysconf``), else None (unknown). Divide by :func:`launcher_ranks_here` for one rank's share."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its CPU affinity, where the OS says)."""
     try:
@@ -151,7 +168,9 @@ def keep_freed_host_memory() -> bool:
     freed blocks stay in the process and the next step reuses them; the process then keeps its
     peak host memory. ``TINYTRAIN_KEEP_FREED_MEMORY=0`` leaves malloc as it is (as do
     ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` set by the user: theirs win)."""
-    if os.environ.get("TINYTRAIN_KEEP_FREED_MEMORY", "1") == "0":
+    from tinytrain import env
+
+    if not env.switch("TINYTRAIN_KEEP_FREED_MEMORY", default=True, what="keep freed memory, the default"):
         return False
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
         return False

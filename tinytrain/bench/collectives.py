@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import select
 import subprocess
@@ -71,9 +72,77 @@ _BUS_FACTOR = {
 
 
 def _parse_size(text: str) -> int:
-    text = text.strip().upper().rstrip("B").rstrip("I")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text.rstrip("KMG")) * scale)
+    """Bytes of ``--sizes`` entry ``text`` ("4096", "64K", "1M", "1GiB"): at least 4 (one float32)."""
+    number = text.strip().upper().rstrip("B").rstrip("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(number[-1:], 1)
+    try:
+        value = float(number.rstrip("KMG")) * scale
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value):
+        raise ValueError(f"--sizes {text}: not a message size (bytes, or with K, M or G: 1K 64K 1M)")
+    if value < 4:
+        raise ValueError(f"--sizes {text}: a message must hold at least one float32, 4 bytes (e.g. 1K 64K 1M)")
+    return int(value)
+
+
+def _sizes(args) -> list[int]:
+    """The message sizes to bench, in bytes (``--sizes``, default 1K..64M in steps of 4x)."""
+    return [_parse_size(s) for s in args.sizes] if args.sizes else [1 << k for k in range(10, 27, 2)]
+
+
+# The buffers one rank holds for one collective at nccl-tests size S, in units of S, as functions of
+# 1/n (a rank's piece): (ours, with the algorithm's scratch; MPI's own, with the temporary MPICH
+# allocates for a reduction; the floor loop's). Counted from _ours_setup, the algorithms' c.scratch
+# calls (recursive doubling: a whole buffer; ring reduce-scatter: two pieces), _mpi_setup and
+# floor.setup. The scratch pool of tinytrain.distributed keeps earlier sizes' scratch too, and
+# MPI's own connections and queues come on top: a lower bound, which is what a refusal may use.
+_BUFFERS = {
+    "all_reduce": (lambda p: 2, lambda p: 3, lambda p: 2),
+    "all_gather": (lambda p: 1 + p, lambda p: 1 + p, lambda p: 1 + p),
+    "reduce_scatter": (lambda p: 1 + 3 * p, lambda p: 2 + p, lambda p: 1 + 3 * p),
+    "all_to_all": (lambda p: 2, lambda p: 2, lambda p: 2),
+    "broadcast": (lambda p: 1, lambda p: 1, lambda p: 1),
+}
+
+
+def buffer_bytes(name: str, size: int, n: int, mpi_launches: int = 1, floor: bool = False) -> dict:
+    """Bytes one rank's buffers take for ``name`` at ``size`` on ``n`` ranks, by whose they are:
+    ``ours``, ``mpi`` (MPI's own, in each of ``mpi_launches`` launches: 2 for ``--mpi both``) and
+    ``floor`` (``--floor``), and their ``total`` (see ``_BUFFERS``)."""
+    whole = _counts(size, n)[0] * 4
+    ours, mpi, bare = (f(1 / n) * whole for f in _BUFFERS[name])
+    found = {"ours": ours, "mpi": mpi * mpi_launches, "floor": bare if floor else 0.0}
+    found["total"] = sum(found.values())
+    return found
+
+
+def check_memory(args, sizes: list[int], n: int, ranks_here: int, share: float) -> None:
+    """Refuse, before any buffer is allocated, a size whose buffers cannot fit in ``share``: the
+    host memory available to one rank (this machine's, divided among its ``ranks_here`` ranks).
+    Only one (collective, size) is set up at a time, so the largest decides."""
+    mpi_launches = 2 if getattr(args, "mpi", "default") == "both" else 1
+    floor = getattr(args, "floor", False)
+    worst = max(
+        ((name, size) for name in args.collectives for size in sizes),
+        key=lambda ns: buffer_bytes(*ns, n, mpi_launches, floor)["total"],
+    )
+    need = buffer_bytes(*worst, n, mpi_launches, floor)
+    if need["total"] <= share:
+        return
+    fits = 1 << max(2, int(math.log2(max(1.0, worst[1] * share / need["total"]))))
+    parts = f"our buffers {_gib(need['ours'])}, MPI's {_gib(need['mpi'])}" + (
+        f", the floor's {_gib(need['floor'])}" if floor else ""
+    )
+    raise ValueError(
+        f"--sizes {_fmt_size(worst[1])} needs at least {_gib(need['total'])} per rank for {worst[0]} ({parts}), "
+        f"{_gib(need['total'] * ranks_here)} for the {ranks_here} rank{'s' if ranks_here > 1 else ''} on this "
+        f"machine, which has {_gib(share * ranks_here)} available (MemAvailable): use sizes up to {_fmt_size(fits)}"
+    )
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / (1 << 30):.3g} GiB"
 
 
 def _fmt_size(n: int) -> str:
@@ -518,14 +587,29 @@ def run(args) -> int:
     from tinytrain import backend
     from tinytrain import distributed as dist
 
+    sizes = _sizes(args)  # a bad size is refused before MPI starts
+    if args.rounds <= 0 and not args.overlap:
+        raise ValueError(f"--rounds must be positive, got {args.rounds}")
     comm = dist.init().comm  # MPI's reference runs on the same ranks (the test harness's world too)
+    n = comm.Get_size()
+    if n < 2:  # one rank sends nothing: every bus bandwidth would be 0 (and their ratios 0/0)
+        raise ValueError(
+            "bench collectives measures ranks talking to each other and this run has one: "
+            "run it under mpirun -n 2 or more (`mpirun -n 4 tinytrain bench collectives`)"
+        )
     if args.overlap:
         return _overlap(comm)
-    if args.rounds <= 0:
-        raise ValueError(f"--rounds must be positive, got {args.rounds}")
     on_device = getattr(args, "device", False)
     if on_device and not backend.on_device:
         raise ValueError("--device needs a device: run with TINYTRAIN_DEVICE=gpu (or strict, the stand-in)")
+    if not on_device:  # device buffers live in device memory: not counted here
+        from tinytrain.distributed._mpi import MPI
+
+        ranks_here = backend.launcher_ranks_here()
+        available = backend.host_memory_available()
+        share = math.inf if available is None else available / ranks_here
+        # every rank decides on the same figure (the smallest share), so all refuse or none does
+        check_memory(args, sizes, n, ranks_here, comm.allreduce(share, op=MPI.MIN))
     mpi = getattr(args, "mpi", "default")
     second_launch = mpi == "both" or (mpi == "default" and not runs_as_it_comes())
     baseline = BaselineLaunch(comm, on_device) if second_launch else None
@@ -578,7 +662,7 @@ def _bench(args, comm, mpi: str, baseline) -> list:
     from tinytrain.distributed.collectives import choose_all_reduce_algo
 
     n, rank = comm.Get_size(), comm.Get_rank()
-    sizes = [_parse_size(s) for s in args.sizes] if args.sizes else [1 << k for k in range(10, 27, 2)]
+    sizes = _sizes(args)
     receive_check, on_device = getattr(args, "receive_check", False), getattr(args, "device", False)
     floor = getattr(args, "floor", False)
     if rank == 0:
