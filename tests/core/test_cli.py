@@ -189,7 +189,7 @@ def test_resume_with_another_model_shape_names_the_parameter(tmp_path, capsys):
         (["--batch-size", "-1"], "--batch-size must be positive"),
         (["--lr", "0"], "--lr must be positive"),
         (["--steps", "3", "--warmup", "5"], "--warmup 5 is longer than --steps 3"),
-        (["--heads", "3", "--width", "32"], r"n_embd=32 is not divisible by n_head=3.*\[1, 2, 4, 8, 16, 32\]"),
+        (["--heads", "3", "--width", "32"], r"--width 32 does not split into --heads 3.*\[1, 2, 4, 8, 16, 32\]"),
         (["--dropout", "1.0"], "dropout"),
         (["--lr", "nan"], "--lr must be positive, got nan"),
         (["--lr", "inf"], "--lr must be positive, got inf"),

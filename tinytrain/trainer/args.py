@@ -170,6 +170,93 @@ def check_args(args) -> None:
         raise ValueError(f"--warmup must be 0 or positive, got {args.warmup}")
     if args.warmup > args.steps:
         raise ValueError(f"--warmup {args.warmup} is longer than --steps {args.steps}")
+    check_model_flags(args)
+    check_memory(args)
+
+
+def check_model_flags(args) -> None:
+    """GPTConfig's own checks, said in the flags' names (``--width``, not ``n_embd``), before any
+    config is built (its messages name its fields, for a library user)."""
+    if args.width % args.heads:
+        fits = _divisors(args.width)
+        among = str(fits) if len(fits) <= 16 else f"{str(fits[:16])[:-1]}, ...]"
+        raise ValueError(
+            f"--width {args.width} does not split into --heads {args.heads}: each head gets --width / --heads "
+            f"channels; choose --heads among {among}, or a --width that {args.heads} divides"
+        )
+    if not 0.0 <= args.dropout < 1.0:
+        raise ValueError(f"--dropout must be at least 0 and below 1, got {args.dropout}")
+    if args.experts < 0:
+        raise ValueError(f"--experts must be 0 (a dense MLP) or positive, got {args.experts}")
+    if args.experts and args.topk is not None and not 1 <= args.topk <= args.experts:
+        raise ValueError(f"--topk {args.topk} must be between 1 and --experts {args.experts}")
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def check_memory(args) -> None:
+    """Refuse, before anything is built, a model whose bytes cannot fit in the host memory this
+    machine has for its ranks (``MemAvailable``, shared by the ranks the launcher started here).
+
+    The bytes are the planner's (``planner.memory_per_gpu`` with tinytrain's float32 AdamW: 4 + 4 +
+    8 bytes per parameter, SGD's momentum 4) for this rank's part under the flags' layout, and at
+    least the whole float32 model: every rank builds the serial model before ``--tp``/``--pp``
+    split it. What decides is what a run certainly holds by its first optimizer step: weights,
+    gradients and optimizer state. The planner's activations (Korthikanti et al.'s 16-bit terms
+    in float32) are said but not counted: they overestimate tinytrain's attention (one float32
+    softmax per head kept; --block-size 1024 --width 64 --heads 8: 1.41 GB estimated, 0.58 GB peak
+    measured), and a refusal must never stop a run that fits. On a GPU the model lives in device
+    memory: not checked here. A text file's vocabulary is known only once it is read: counted as
+    one character, which keeps the bound a lower one."""
+    from tinytrain import backend
+    from tinytrain.planner import Layout, ModelSpec, memory_per_gpu
+
+    available = None if backend.device == "gpu" else backend.host_memory_available()
+    if available is None:
+        return
+    if args.data in (None, "addition"):
+        if not 1 <= args.digits <= 6:
+            return  # the dataset says so when it is built
+        from tinytrain.data import AdditionDataset
+
+        task = AdditionDataset(args.digits)
+        vocab, seq = task.vocab_size, task.block_size
+    else:
+        vocab, seq = 1, args.block_size or 64
+    topk = args.topk if args.topk is not None else (min(2, args.experts) if args.experts else 2)
+    spec = ModelSpec(args.layers, args.width, args.heads, vocab, seq, args.batch_size, True, True, args.experts, topk)
+    microbatches = plan_of(args).n_microbatches if args.pp > 1 else 1
+    per_replica = max(1, args.batch_size // max(1, args.dp * args.ep * microbatches))
+    layout = Layout(args.dp, args.tp, args.pp, args.cp, args.sp, args.zero, per_replica, False, args.ep)
+    optimizer = ("AdamW state", 8) if args.optimizer == "adamw" else ("SGD momentum", 4)
+    part = memory_per_gpu(spec, layout, state_bytes=(4, 4, optimizer[1]), itemsize=4)
+    whole, state = 4 * spec.parameters, part["params"] + part["grads"] + part["optimizer"]
+    ranks = backend.launcher_ranks_here()
+    if max(whole, state) * ranks <= available:
+        return
+    if whole >= state:
+        parts = f"every rank builds the whole model, {_gb(whole)} of float32 weights, before --tp and --pp split it"
+        change = "use a smaller --width or --layers"
+    else:
+        parts = (
+            f"weights {_gb(part['params'])}, gradients {_gb(part['grads'])}, {optimizer[0]} {_gb(part['optimizer'])}"
+        )
+        change = "use a smaller --width or --layers, or spread the model over ranks on more machines"
+        change += " (--tp, --pp, --zero)"
+    need = max(whole, state)
+    raise ValueError(
+        f"the model of --width {args.width} --layers {args.layers} ({spec.parameters:,} parameters) needs at least "
+        f"{_gb(need)} per rank ({parts}; activations come on top, about {_gb(part['activations'])} at --batch-size "
+        f"{args.batch_size}){f', {_gb(need * ranks)} for the {ranks} ranks here' if ranks > 1 else ''}, and this "
+        f"machine has {_gb(available)} available (MemAvailable): {change}"
+    )
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.3g} GB"
 
 
 def plan_of(args):
