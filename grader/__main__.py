@@ -140,6 +140,12 @@ def grade(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        print(
+            f"error: --out {args.out} is not a folder this grader can write (it is a file); choose a folder",
+            file=sys.stderr,
+        )
+        return 2
     try:  # before any test runs: a run of minutes must not end in a traceback about its results folder
         Path(args.out).mkdir(parents=True, exist_ok=True)
         probe = Path(args.out) / ".write-test"

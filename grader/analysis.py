@@ -191,6 +191,16 @@ def main(out: str, assignments: list[str] | None = None) -> int:
     if unknown:
         print(f"error: --assignments {' '.join(unknown)}: there are {', '.join(rubric.assignments)}", file=sys.stderr)
         return 2
+    path = Path(out)
+    try:  # before the minutes of measuring: the report must have somewhere to go
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+        if path.is_dir():
+            raise IsADirectoryError(21, "Is a directory")
+    except OSError as exc:
+        print(f"error: cannot write {out} ({exc.strerror}); choose another --out", file=sys.stderr)
+        return 2
     mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
     if mpirun is None:
         print("error: mpirun not found: pip install mpich (it is in the [dev] extra)", file=sys.stderr)
@@ -205,9 +215,7 @@ def main(out: str, assignments: list[str] | None = None) -> int:
             print(f"error: the measurements failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
             return 1
         figures = json.loads(figures_path.read_text())
-    path = Path(out)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(render(figures))
     except OSError as exc:
         print(f"error: cannot write {out} ({exc.strerror}); choose another --out", file=sys.stderr)

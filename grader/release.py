@@ -172,6 +172,9 @@ def main(out: str, hints: str = "brief") -> int:
     except (FileExistsError, ValueError) as exc:
         print(f"error: {exc}")
         return 2
+    except OSError as exc:  # a place no folder can be made in (/proc, a file on the path, a full disk)
+        print(f"error: cannot write the student copy in {out} ({exc.strerror}); choose another folder")
+        return 2
     print(
         f"wrote a student copy of {len(files)} files to {out}: solution regions stubbed, "
         f"hints {hints}, --impl defaults to assignments there"
