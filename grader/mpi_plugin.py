@@ -77,6 +77,7 @@ def pytest_configure(config):
         "markers", "world_size(n, at_least=False): the test needs exactly n MPI ranks (at least n: all of them)"
     )
     config.addinivalue_line("markers", "deadline(seconds): this test may take longer than TINYTRAIN_TEST_TIMEOUT")
+    test_deadline()  # a bad TINYTRAIN_TEST_TIMEOUT is a usage error now, not an internal error later
     if _rank != 0:
         _silence(config)
     _watchdog.config = config
@@ -92,7 +93,19 @@ def test_deadline(item=None) -> float:
     if marker is not None:
         return float(marker.args[0])
     graded = item is not None and item.get_closest_marker("task") is not None
-    return float(os.environ.get("TINYTRAIN_TEST_TIMEOUT", GRADED_DEADLINE if graded else 180))
+    setting = os.environ.get("TINYTRAIN_TEST_TIMEOUT", "").strip()
+    if not setting:
+        return float(GRADED_DEADLINE if graded else 180)
+    try:
+        seconds = float(setting)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):  # checked once at startup (pytest_configure): a usage error there
+        raise pytest.UsageError(
+            f"TINYTRAIN_TEST_TIMEOUT={setting!r} is not a setting it takes: seconds per test, a positive number, "
+            "or leave it unset"
+        )
+    return seconds
 
 
 _ABORT_GRACE = 0.3  # seconds

@@ -18,7 +18,12 @@ def grading_seed() -> int:
     """A fresh seed (or ``TINYTRAIN_GRADER_SEED``), the same on every rank."""
     from .mpi_reference import agree_int
 
-    fixed = os.environ.get("TINYTRAIN_GRADER_SEED")
+    fixed = os.environ.get("TINYTRAIN_GRADER_SEED", "").strip()
+    if fixed and not fixed.isdigit():
+        raise ValueError(
+            f"TINYTRAIN_GRADER_SEED={fixed!r} is not a setting it takes: a whole number (the seed a failed test "
+            "printed, to replay it), or leave it unset"
+        )
     seed = agree_int(int(fixed) if fixed else secrets.randbits(31))
     drawn.append(seed)
     return seed

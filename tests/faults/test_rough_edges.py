@@ -314,3 +314,16 @@ def test_the_strict_stand_ins_gpu_count_must_be_a_number(monkeypatch):
         strict._device_count()
     monkeypatch.setenv("TINYTRAIN_STRICT_GPUS", "3")
     assert strict._device_count() == 3
+
+
+def test_the_harness_settings_must_be_numbers(monkeypatch):
+    from grader import mpi_plugin, seeds
+
+    monkeypatch.setenv("TINYTRAIN_TEST_TIMEOUT", "soon")
+    with pytest.raises(pytest.UsageError, match=r"TINYTRAIN_TEST_TIMEOUT='soon' is not a setting it takes: seconds"):
+        mpi_plugin.test_deadline()
+    monkeypatch.setenv("TINYTRAIN_TEST_TIMEOUT", "7.5")
+    assert mpi_plugin.test_deadline() == 7.5
+    monkeypatch.setenv("TINYTRAIN_GRADER_SEED", "0x1f")
+    with pytest.raises(ValueError, match=r"TINYTRAIN_GRADER_SEED='0x1f' is not a setting it takes: a whole number"):
+        seeds.grading_seed()
