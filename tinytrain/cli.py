@@ -157,6 +157,10 @@ def fail(command: str | None, exc: BaseException, debug: bool) -> None:
     if not _another_rank_failed(exc, wait=0.0 if rank == 0 else _GRACE):
         _print(line, shown)
         _report(line)
+    else:
+        # only an echo: the rank that failed first aborts the job with *its* exit code (2 for a bad
+        # input); give it the time to, so that this rank's code 1 does not win the race
+        time.sleep(2 * _GRACE)
     _abort(code)
 
 
