@@ -33,3 +33,20 @@ def positive_int(name: str, default: int, what: str = "") -> int:
             ", or leave it unset"
         )
     return int(value)
+
+
+def positive_seconds(name: str, default: float) -> float:
+    """``name`` as a positive, finite number of seconds, ``default`` when unset or empty."""
+    value = os.environ.get(name, "").strip()
+    if value == "":
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ValueError(
+            f"{name}={value!r} is not a setting it takes: a positive number of seconds such as {default:g}, "
+            "or leave it unset"
+        )
+    return seconds

@@ -156,3 +156,14 @@ def test_a_bad_data_file_is_one_sentence(tmp_path, content, message, ranks):
     assert rc == 2 and seconds < 20 and "Traceback" not in output, output
     assert re.search(message, output), output
     assert len([line for line in output.splitlines() if "error:" in line]) == 1, output
+
+
+@pytest.mark.parametrize("variable", ["TINYTRAIN_TIMEOUT", "TINYTRAIN_BUSY_TIMEOUT", "TINYTRAIN_HEARTBEAT"])
+def test_a_bad_seconds_setting_is_one_sentence_naming_it(tmp_path, variable):
+    environ = dict(mpi_environment(), TINYTRAIN_DEVICE="cpu", **{variable: "abc"})
+    environ.pop("TINYTRAIN_DEBUG", None)
+    argv = ["mpirun", "-n", "2", sys.executable, "-m", "tinytrain.cli", "train", *TINY, "--out", "run"]
+    r = subprocess.run(argv, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert f"{variable}='abc' is not a setting it takes: a positive number of seconds" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("error:") == 1, r.stderr

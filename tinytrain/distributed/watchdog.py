@@ -41,6 +41,7 @@ import threading
 import time
 
 from tinytrain import backend
+from tinytrain.env import positive_seconds
 
 from ._mpi import MPI
 
@@ -65,30 +66,15 @@ class CollectiveMismatch(DistributedError, ValueError):
     """Ranks of one group called collectives that do not match."""
 
 
-def seconds_setting(name: str, default: float) -> float:
-    """The environment variable ``name`` as a positive number of seconds (``default`` when unset); a
-    value that is not one is a ``ValueError`` naming the variable, not a bare float() complaint."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name}={text!r} is not a number of seconds; set it to a positive number such as {default:g}")
-    return value
-
-
 def timeout() -> float:
     """Seconds a wait may take before we ask whether it is stuck: ``TINYTRAIN_TIMEOUT`` (default 20)."""
-    return seconds_setting("TINYTRAIN_TIMEOUT", 20.0)
+    return positive_seconds("TINYTRAIN_TIMEOUT", 20.0)
 
 
 def busy_timeout() -> float:
     """Seconds a wait may go on while the rank it waits for is alive and computing:
     ``TINYTRAIN_BUSY_TIMEOUT`` (default 600)."""
-    return seconds_setting("TINYTRAIN_BUSY_TIMEOUT", 600.0)
+    return positive_seconds("TINYTRAIN_BUSY_TIMEOUT", 600.0)
 
 
 def check_settings() -> None:
@@ -187,7 +173,7 @@ _UNANSWERED = 8  # beats sent to a peer we have not heard from since: then we wa
 def beat_every() -> float:
     """Seconds between heartbeats, ``TINYTRAIN_HEARTBEAT`` (default 1); a rank silent for 4 of these
     (at least 1 s) is taken as stopped. (Tests shorten it, so that a minute of beats fits in seconds.)"""
-    return seconds_setting("TINYTRAIN_HEARTBEAT", 1.0)
+    return positive_seconds("TINYTRAIN_HEARTBEAT", 1.0)
 
 
 _BEAT_EVERY = 1.0  # read from TINYTRAIN_HEARTBEAT when the heartbeat starts
