@@ -35,9 +35,11 @@ For every collective and message size the implementations run interleaved (ours,
 * ``ratio`` = our busbw / MPI's busbw (above 1: ours is faster), against MPI as it comes unless
   ``--mpi here``; ``--mpi both`` adds ``ratio_here`` (against MPI in this launch).
 
-``--receive-check`` also times ours with the per-receive byte-count check switched off (interleaved
-with the rest) and prints what the check costs, in percent of our time (``check %``; about 0 is the
-goal: the check is one ``MPI_Get_count`` per message).
+``--receive-check`` also times ours with both always-on checks switched off (interleaved with the
+rest): the per-receive byte-count check and the call's signature in the messages' tags (its bits,
+and the probe a wait that did not end at once makes). It prints what they cost, in percent of our
+time (``check %``; about 0 is the goal: one ``MPI_Get_count`` per message, a few integer
+operations per call).
 ``--floor`` also times each algorithm as a bare mpi4py loop (``bench/floor.py``: post, poll with
 ``sched_yield``, combine; nothing else) and prints its time and its ratio to MPI: the best a Python
 implementation of that algorithm reached here, so ours can be read against what is possible. The
@@ -178,7 +180,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--receive-check",
         action="store_true",
-        help="also time ours without the per-receive byte-count check and print its cost (check %%)",
+        help="also time ours without the receive byte-count check and the tags' signatures (check %%: their cost)",
     )
     parser.add_argument(
         "--mpi",
@@ -309,15 +311,18 @@ def _time(fn, iters: int, comm) -> float:
 
 
 def _unchecked(fn):
-    """``fn`` with the per-receive byte-count check of p2p switched off (to measure what it costs)."""
-    from tinytrain.distributed import p2p
+    """``fn`` with the per-receive byte-count check of p2p and the signatures in the tags of work.py
+    switched off (to measure what they cost)."""
+    from tinytrain.distributed import p2p, work
+
+    bits = work._SIG_BITS
 
     def call():
-        p2p.check_receives = False
+        p2p.check_receives, work._SIG_BITS = False, 0
         try:
             fn()
         finally:
-            p2p.check_receives = True
+            p2p.check_receives, work._SIG_BITS = True, bits
 
     return call
 
