@@ -167,3 +167,16 @@ def test_a_bad_seconds_setting_is_one_sentence_naming_it(tmp_path, variable):
     assert r.returncode == 2, r.stderr
     assert f"{variable}='abc' is not a setting it takes: a positive number of seconds" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and r.stderr.count("error:") == 1, r.stderr
+
+
+def test_a_killed_rank_can_be_named_from_the_start_line(tmp_path):
+    """kill -9 leaves a rank no word to say, and mpirun's banner names a process id: the start line
+    maps each rank to its process id."""
+    import re
+
+    argv = [sys.executable, str(HERE / "inject.py"), "train", *[f for f in TINY if f != "--quiet"]]
+    rc, _, output = run([*argv, "--dp", "2", "--out", "run"], tmp_path, 2, FAULT="kill", RANK="1", STEP="2")
+    assert rc == 9, output
+    killed = re.search(r"PID (\d+) RUNNING", output)
+    ranks = dict(re.findall(r"(\d+)=(\d+)", re.search(r"process ids ([\d= ]+)\)", output).group(1)))
+    assert killed and {v: k for k, v in ranks.items()}[killed.group(1)] == "1", output

@@ -166,11 +166,12 @@ def _train(args, out: Path) -> int:
         if start_step >= args.steps and not quiet:
             print(f"checkpoint is at step {start_step}; nothing to do for --steps {args.steps}", file=sys.stderr)
 
+    ranks = runner.ranks()  # on every rank: it gathers
     if not quiet and start_step < args.steps:
         steps = f"steps {start_step + 1}..{args.steps}" if start_step else f"{args.steps} steps"
         print(
             f"tinytrain: GPT with {model.num_parameters():,} parameters on {device}, data={dataset.name}, "
-            f"batch {args.batch_size} x {dataset.block_size} tokens, {steps}",
+            f"batch {args.batch_size} x {dataset.block_size} tokens, {steps}" + (f"; {ranks}" if ranks else ""),
             file=sys.stderr,
         )
     progress = Progress(args.steps, quiet)

@@ -44,6 +44,8 @@ class Runner(Protocol):
 
     def vote(self, value: int) -> int: ...  # the largest ``value`` any rank gave, on every rank
 
+    def ranks(self) -> str: ...  # the ranks and their process ids, for the start line ("" serially)
+
     def finish(self, args, out: Path) -> None: ...  # traces, plots, memory tables
 
 
@@ -90,6 +92,9 @@ class SerialRunner:
     def vote(self, value: int) -> int:
         return value
 
+    def ranks(self) -> str:
+        return ""
+
     def finish(self, args, out: Path) -> None:
         """``--trace``: this process's spans as a Chrome trace (one rank: forward, backward, optimizer)."""
         if args.trace:
@@ -134,6 +139,16 @@ class MeshRunner:
 
     def step_stats(self) -> dict:
         return self.parallel.step_stats()
+
+    def ranks(self) -> str:
+        """ "4 ranks (process ids 0=3823 1=3824 ...)": a rank killed outright cannot say who it was, and
+        mpirun's banner names only its process id."""
+        import os
+
+        import numpy
+
+        pids = self.dist.all_gather(numpy.array([os.getpid()], dtype=numpy.int64))
+        return f"{len(pids)} ranks (process ids {' '.join(f'{r}={p}' for r, p in enumerate(pids.tolist()))})"
 
     def vote(self, value: int) -> int:
         """One 4-byte all-reduce (max): a signal may reach one rank only, or the ranks during
