@@ -5,7 +5,8 @@ times: these machines are shared and noisy. The reference runs where ours cannot
 disturbed by it, as a user would get it: PyTorch in its own process (thread pools apart), MPI in
 its own ``mpirun`` launch with MPICH's default settings (tinytrain's are read at ``MPI_Init``); the
 two sides alternate, so load from elsewhere hits both alike. ``strategies`` compares the parallel
-strategies with each other (and with serial) on the same model: time, bytes sent, memory.
+strategies with each other (and with serial) on the same model: time, bytes sent, memory. ``plan``
+sets the calibrated planner's step time beside a measured one.
 Each benchmark is a module here with ``add_arguments(parser)`` and ``run(args)``.
 """
 
@@ -18,6 +19,7 @@ BENCHMARKS = {
     "step": "one GPT training step, tinytrain vs PyTorch on the CPU",
     "collectives": "hand-written collectives vs MPI's own (run under mpirun)",
     "strategies": "one training step under every parallel strategy: time, bytes, memory (mpirun -n 4)",
+    "plan": "the calibrated planner's data-parallel step time next to a measured one (mpirun -n N)",
 }
 
 
