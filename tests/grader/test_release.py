@@ -49,6 +49,7 @@ def test_release_refuses_an_existing_folder(release):
         make_release(release)
 
 
+@pytest.mark.slow  # a copy's suite of three folders: about a minute on 2 cores
 def test_release_suite_passes_with_stand_ins_and_todo_stubs(release):
     """In the copy: graded tests are TODO, reference tests skipped, the framework works on stand-ins."""
     env = copy_environment(release)
