@@ -265,7 +265,9 @@ def _poll_beats(comm) -> None:
             _unanswered[source] = 0
 
 
-_UNSURE = ""  # _why_stuck: a rank on the way has not been heard from lately; ask again soon
+# _why_stuck: a rank on the way has not been heard from lately, or nothing is pending any more (the
+# step completed between two polls): ask again soon. (Also what an empty list of reasons reads as.)
+_UNSURE = ""
 
 
 def _why_stuck(peers: list[int]) -> int | str:
