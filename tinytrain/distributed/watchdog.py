@@ -297,7 +297,7 @@ def _why_stuck(peers: list[int]) -> int | str:
     waiting = sorted(r for r in seen if r == me or beats.get(r, (0, {}))[1].get("waiting_for") is not None)
     if len(waiting) > 1:
         reasons.append(f"ranks {waiting} are all waiting, for each other (a deadlock or a skipped call)")
-    return "; ".join(reasons) or "the ranks waited for could not be followed to one that computes"
+    return "; ".join(reasons)
 
 
 # --- the one wait loop ---------------------------------------------------------------------------
