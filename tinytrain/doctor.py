@@ -29,7 +29,7 @@ SETTINGS = {
     "TINYTRAIN_DEBUG": "collective signatures not cross-checked",
     "TINYTRAIN_TRACE": "no spans recorded",
     "TINYTRAIN_SPIN": "0 polls when ranks outnumber cores, else 2000, before yielding the core",
-    "TINYTRAIN_YIELDS": "50 polls with the core yielded between them, then sleeps",
+    "TINYTRAIN_YIELD_FOR": "2 ms of polls with the core yielded between them, then sleeps",
     "TINYTRAIN_KEEP_FREED_MEMORY": "1: glibc keeps freed host memory for the next arrays (no mmap per array)",
     "TINYTRAIN_MPI_THROTTLE": "MPI as it comes; 1 adds MPICH's progress throttle (see MPIR_CVAR_* below)",
     "TINYTRAIN_STRICT_GPUS": "4 fake GPUs under TINYTRAIN_DEVICE=strict",

@@ -28,7 +28,7 @@ Environment: ``TINYTRAIN_TIMEOUT`` (seconds per wait, default 20; ``TINYTRAIN_BU
 the awaited ranks compute, see ``watchdog.py``), ``TINYTRAIN_DEBUG=1`` (cross-check collective
 signatures), ``TINYTRAIN_TRACE=1`` (record spans, see tinytrain.trace),
 ``TINYTRAIN_CUDA_AWARE_MPI=0|1`` (override detection; with ``TINYTRAIN_DEVICE=strict`` the GPU paths
-run on a stand-in for CuPy, see ``tinytrain.backend``), ``TINYTRAIN_SPIN`` and ``TINYTRAIN_YIELDS``
+run on a stand-in for CuPy, see ``tinytrain.backend``), ``TINYTRAIN_SPIN`` and ``TINYTRAIN_YIELD_FOR``
 (how a waiting rank polls: spin, yield its core, then sleep; see ``watchdog.py``),
 ``TINYTRAIN_GPU=<index>`` (the GPU every rank of this process uses; by default ``init()`` gives
 local rank r GPU r mod the number of GPUs, see ``tinytrain.backend``).

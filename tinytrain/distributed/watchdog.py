@@ -29,8 +29,9 @@ Why we poll instead of calling ``MPI_Wait``: a blocking MPI wait cannot be inter
 deadline, and MPICH busy-polls inside it, which is ruinous when 4 ranks share 2 cores. So we call
 ``MPI_Test`` in a loop, in three phases (see ``_poll_until``): spin (a small message arrives in
 microseconds, on a core of its own), then give the core away with ``sched_yield`` between polls
-for ``TINYTRAIN_YIELDS`` polls (the peer we wait for may need *our* core), then sleep in growing
-steps (a long wait: a pipeline bubble, a slow rank) so that a waiting rank costs nothing.
+for ``TINYTRAIN_YIELD_FOR`` seconds (the peer we wait for may need *our* core, and MPI moves a
+large message only while both ranks poll), then sleep in growing steps (a long wait: a pipeline
+bubble, a slow rank) so that a waiting rank costs nothing.
 """
 
 from __future__ import annotations
@@ -105,11 +106,15 @@ def _oversubscribed() -> bool:
 # arrives in microseconds. When ranks outnumber cores the rank we wait for may be waiting for *our*
 # core, so we yield it at once: on 4 ranks sharing 2 cores a 1 KiB all-reduce took 57 us yielding
 # from the first poll, 69 us after 20 polls, 165 us after 100 and 957 us after 1000 (raw mpi4py).
-# Yielding is cheap while a reply is close; a long wait (a pipeline bubble, a rank computing)
-# sleeps instead, so that waiting ranks leave the cores to the ones that compute.
-# TINYTRAIN_SPIN / TINYTRAIN_YIELDS / TINYTRAIN_MAX_SLEEP override.
+# Yielding costs a computing rank on our core almost nothing (the scheduler hands it the core back
+# at once), and it keeps MPI moving: MPICH copies a large message through shared memory in pieces,
+# and only while both ranks poll. A sleep instead costs far more than asked (20 us asked, 60-120 us
+# slept: timer slack and scheduling), so an early sleep made every mid-sized collective wait for
+# it. So we yield for TINYTRAIN_YIELD_FOR seconds, by the clock; only a longer wait (a pipeline
+# bubble, a rank computing) sleeps, so that waiting ranks leave the cores to the ones that compute.
+# TINYTRAIN_SPIN / TINYTRAIN_YIELD_FOR / TINYTRAIN_MAX_SLEEP override.
 _SPIN = int(os.environ.get("TINYTRAIN_SPIN", "0" if _oversubscribed() else "2000"))
-_YIELDS = int(os.environ.get("TINYTRAIN_YIELDS", "50"))  # then this many polls with sched_yield() between
+_YIELD_FOR = float(os.environ.get("TINYTRAIN_YIELD_FOR", "2e-3"))  # then polls with sched_yield() between
 _MAX_SLEEP = float(os.environ.get("TINYTRAIN_MAX_SLEEP", "1e-4"))  # then sleeps doubling from 20 us up to this
 _ALERT_EVERY = 64  # check the failure side channel every this many polls (always when sleeping)
 
@@ -324,19 +329,19 @@ def wait_until(done, describe, pending, deadline: float | None = None, check=Non
 def _poll_until(done, describe, pending, limit: float | None, check=None) -> None:
     __tracebackhide__ = True
     start = time.perf_counter()
-    polls, sleep, announced = 0, 20e-6, 0.0
+    polls, sleep, sleeping, announced = 0, 20e-6, False, 0.0
     while True:
         polls += 1
-        if polls > _SPIN:
-            if polls <= _SPIN + _YIELDS:
-                os.sched_yield()
-            else:
-                time.sleep(sleep)
-                sleep = min(sleep * 2, _MAX_SLEEP)
+        if sleeping:
+            time.sleep(sleep)
+            sleep = min(sleep * 2, _MAX_SLEEP)
+        elif polls > _SPIN:
+            os.sched_yield()
         if done():
             return
-        if polls % _ALERT_EVERY == 0 or sleep > 20e-6:  # the side channel: cheap, but not every poll
+        if polls % _ALERT_EVERY == 0 or sleeping:  # the side channel: cheap, but not every poll
             waited = time.perf_counter() - start
+            sleeping = sleeping or (polls > _SPIN and waited > _YIELD_FOR)
             _check_failures(describe, pending, waited)
             if check is not None:
                 check()
