@@ -114,6 +114,7 @@ def _get_status_all():
 
 
 _all_complete = _get_status_all()  # are all these requests complete? (see Exchange.test)
+_BYTE = MPI.BYTE  # every message travels as bytes (see Exchange.recv)
 
 
 # --- one step: some sends and receives that complete together -------------------------------------
@@ -147,8 +148,9 @@ class Exchange:
             # A host copy (kept alive by the request below), or the device memory itself.
             buf = backend.device_buffer(buf) if cuda_aware() else backend.to_host(buf)
         world_peer = self._post(self.group.comm.Isend, buf, peer, tag, "send to", None)
-        stats.count_send(self.group.name, self.op, buf.nbytes, world_peer)
-        self.nbytes += buf.nbytes
+        nbytes = buf.nbytes
+        stats.count_send(self.group.name, self.op, nbytes, world_peer)
+        self.nbytes += nbytes
 
     def recv(self, buf, peer: int, tag: int) -> None:
         target = buf
@@ -171,11 +173,10 @@ class Exchange:
     def _post(self, start, buf, peer: int, tag: int, label: str, expect) -> int:
         """Post ``start`` (the comm's ``Isend`` or ``Irecv``) of ``buf`` as bytes; the peer's world rank."""
         try:
-            req = start([buf, MPI.BYTE], peer, tag)
+            self.reqs.append(start([buf, _BYTE], peer, tag))
         except MPI.Exception as exc:
             raise self._mpi_error(exc, label, peer, buf) from exc
         world_peer = self.group.world_ranks[peer]
-        self.reqs.append(req)
         self.posted.append((label, world_peer, expect))
         return world_peer
 
