@@ -50,7 +50,7 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "links.json") if rank == 0 else None
         calibration = types.SimpleNamespace(
-            sizes=["16K", "256K"], collectives=["all_reduce"], algo="ring", rounds=args.rounds, json=path,
+            sizes=["16K", "256K", "4M"], collectives=["all_reduce"], algo="ring", rounds=args.rounds, json=path,
             overlap=False, impl="reference",
         )  # fmt: skip
         collectives.run(calibration)
