@@ -44,6 +44,34 @@ def test_non_arrays_and_bad_arguments_are_rejected():
         dist.all_gather(x, sizes=[5])
 
 
+def test_checks_still_run_after_a_call_with_the_same_shape_succeeded():
+    """A call keeps what its arguments gave (collectives._plans); a later call with the same shape
+    but a bad out=, a read-only or strided buffer, another op or other sizes is still refused."""
+    n = dist.get_world_size()
+    x = np.ones((n, 3), dtype=np.float32)
+    dist.all_gather(x, out=np.empty((n * n, 3), dtype=np.float32))
+    dist.reduce_scatter(x)
+    dist.all_reduce(x)
+    with pytest.raises(ValueError, match="out must have shape"):
+        dist.all_gather(x, out=np.empty((n * n, 2), dtype=np.float32))
+    with pytest.raises(ValueError, match="out must have shape"):
+        dist.reduce_scatter(x, out=np.empty((1, 3), dtype=np.float64))
+    with pytest.raises(ValueError, match="sizes"):
+        dist.reduce_scatter(x, sizes=[n + 1] * n)
+    with pytest.raises(ValueError, match="op='median' is not one of"):
+        dist.all_reduce(x, op="median")
+    with pytest.raises(ValueError, match="read-only"):
+        ro = x.copy()
+        ro.flags.writeable = False
+        dist.all_reduce(ro)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        dist.all_gather(np.ones((3, 4), dtype=np.float32).T)
+    with pytest.raises(ValueError, match="avg.*floating"):
+        dist.all_reduce(np.ones((n, 3), dtype=np.int64), op="avg")
+    with pytest.raises(ValueError, match="sizes needs one non-negative row count"):
+        dist.all_gather(x, sizes=[[n]] * n)  # not even a key: checked, never kept
+
+
 @pytest.mark.world_size(3)
 def test_uneven_splits_need_sizes():
     with pytest.raises(ValueError, match="do not split evenly over 3 ranks; pass sizes"):
