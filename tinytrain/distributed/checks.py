@@ -47,7 +47,12 @@ def signature(x, **extra) -> dict:
 
 
 def check_sizes(g, sizes, what: str) -> list[int]:
-    sizes = [int(s) for s in sizes]
+    try:
+        sizes = [int(s) for s in sizes]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{what}: sizes needs one non-negative row count per rank of {g.describe()}, got {sizes!r}"
+        ) from None
     if len(sizes) != g.size or min(sizes, default=0) < 0:
         raise ValueError(f"{what}: sizes needs one non-negative row count per rank of {g.describe()}, got {sizes}")
     return sizes
