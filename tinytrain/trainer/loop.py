@@ -180,15 +180,7 @@ def _train(args, out: Path) -> int:
     with Interrupts(announce=runner.is_main) as interrupts:
         for step in range(start_step + 1, args.steps + 1):
             t0 = time.perf_counter()
-            _random.manual_seed((args.seed, step))  # dropout masks depend on (seed, step, site) only
-            x, y = dataset.batch("train", args.batch_size, seed=args.seed, step=step)
-            optimizer.zero_grad()
-            with _trace_step(step):
-                loss_value = runner.forward_backward(x, y)
-            grad_norm = runner.clip_gradients(args.grad_clip) if args.grad_clip else None
-            lr = optimizer.lr
-            runner.step(optimizer)
-            schedule.step()
+            loss_value, grad_norm, lr = train_step(runner, optimizer, schedule, dataset, args, step)
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss became {loss_value} at step {step}; lower --lr or enable --grad-clip")
             dt = time.perf_counter() - t0
@@ -236,6 +228,23 @@ def _train(args, out: Path) -> int:
         wrote = "metrics.json, ckpt/" if args.no_plot else "metrics.json, loss.png, ckpt/"
         print(f"done: {summary}; wrote {wrote} in {out}", file=sys.stderr)
     return 0
+
+
+def train_step(runner, optimizer, schedule, dataset, args, step: int) -> tuple[float, float | None, float]:
+    """One step of the loop on this rank: the batch and dropout masks of (seed, step), forward and
+    backward, gradient clipping, the optimizer's update, the LR schedule. Returns (the batch's mean
+    loss, the gradient norm before clipping or None without --grad-clip, the rate this step used).
+    ``tinytrain bench scaling`` times exactly this."""
+    _random.manual_seed((args.seed, step))  # dropout masks depend on (seed, step, site) only
+    x, y = dataset.batch("train", args.batch_size, seed=args.seed, step=step)
+    optimizer.zero_grad()
+    with _trace_step(step):
+        loss_value = runner.forward_backward(x, y)
+    grad_norm = runner.clip_gradients(args.grad_clip) if args.grad_clip else None
+    lr = optimizer.lr
+    runner.step(optimizer)
+    schedule.step()
+    return loss_value, grad_norm, lr
 
 
 def save(runner, ckpt: Path, step: int, optimizer, metrics: dict, args, model) -> None:
