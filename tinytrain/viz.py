@@ -147,6 +147,19 @@ def overlap_share(spans: list, is_compute, is_comm=lambda s: s["cat"] == "comm.s
     return hidden / total
 
 
+def exposed_time(spans: list, windows: list, is_comm, is_compute) -> float:
+    """Time (the spans' unit) inside ``windows`` ((start, end) pairs that do not overlap) during
+    which a span with ``is_comm`` was open and none with ``is_compute``: communication that no
+    compute hid. Give it one rank's spans."""
+    exposed = 0.0
+    for w0, w1 in windows:
+        clipped = [(s, max(s["start"], w0), min(s["end"], w1)) for s in spans if s["end"] > w0 and s["start"] < w1]
+        compute = _union([(a, b) for s, a, b in clipped if is_compute(s)])
+        for c0, c1 in _union([(a, b) for s, a, b in clipped if is_comm(s)]):
+            exposed += (c1 - c0) - sum(max(0.0, min(c1, k1) - max(c0, k0)) for k0, k1 in compute)
+    return exposed
+
+
 def plot_pipeline(
     events: list, ax=None, title: str | None = None, formula: float | None = None, path=None, unit_ms: bool = False
 ):

@@ -94,6 +94,47 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def blas_threads(limit: int | None = None) -> int | None:
+    """The threads of the OpenBLAS that NumPy loaded (its wheels bundle one), after setting them to
+    ``limit`` when given; None where this process has no OpenBLAS to ask (another BLAS, a system
+    without ``/proc``: there only ``OMP_NUM_THREADS``, set before the program starts, decides).
+
+    OPENBLAS_NUM_THREADS is read once, when NumPy loads the library; the library's own call
+    changes its pool at any time after, which is what a program that has imported NumPy needs."""
+    lib = _openblas()
+    if lib is None:
+        return None
+    set_threads, get_threads = lib
+    if limit is not None:
+        set_threads(int(limit))
+    return int(get_threads())
+
+
+def _openblas():
+    """(set_num_threads, get_num_threads) of the loaded OpenBLAS (its symbols carry the prefix and
+    suffix of the build: ``scipy_openblas_set_num_threads64_`` in NumPy's wheels), or None."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas", "openblas"):
+            for suffix in ("64_", ""):
+                setter = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+                getter = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+                if setter is not None and getter is not None:
+                    setter.argtypes, getter.restype = [ctypes.c_int], ctypes.c_int
+                    return setter, getter
+    return None
+
+
 def _load_cupy():
     """Import CuPy and prove a GPU answers; return the module or raise BackendError with a fix."""
     try:

@@ -300,18 +300,26 @@ def _worker(framework: str, name: str, threads: int) -> int:
     return 0
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """CPU seconds process ``pid`` has used, all its threads together, to the nanosecond (Linux:
-    ``/proc/PID/task/*/schedstat``; the clock ticks of ``/proc/PID/stat`` are too coarse for a
-    step of milliseconds). None where there is no such file."""
-    total = 0
+def schedstat(pid: int) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of process ``pid``, all its threads
+    together, to the nanosecond (Linux: ``/proc/PID/task/*/schedstat``; the clock ticks of
+    ``/proc/PID/stat`` are too coarse for a step of milliseconds). None where there is no such file.
+    The second is what other programs on the machine took from it."""
+    running = waiting = 0
     try:
         for task in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
+                fields = f.read().split()
+            running, waiting = running + int(fields[0]), waiting + int(fields[1])
     except (OSError, ValueError, IndexError):
         return None
-    return total / 1e9
+    return running / 1e9, waiting / 1e9
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds process ``pid`` has used, all its threads together (see :func:`schedstat`)."""
+    stat = schedstat(pid)
+    return None if stat is None else stat[0]
 
 
 class Worker:
