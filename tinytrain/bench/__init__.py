@@ -6,7 +6,8 @@ disturbed by it, as a user would get it: PyTorch in its own process (thread pool
 its own ``mpirun`` launch with MPICH's default settings (tinytrain's are read at ``MPI_Init``); the
 two sides alternate, so load from elsewhere hits both alike. ``strategies`` compares the parallel
 strategies with each other (and with serial) on the same model: time, bytes sent, memory. ``plan``
-sets the calibrated planner's step time beside a measured one.
+sets the calibrated planner's step time beside a measured one. ``scaling`` trains the same model
+serially and on 2 ranks (DP, TP, PP), alternating, and reports the speedup.
 Each benchmark is a module here with ``add_arguments(parser)`` and ``run(args)``.
 """
 
@@ -20,6 +21,7 @@ BENCHMARKS = {
     "collectives": "hand-written collectives vs MPI's own (run under mpirun)",
     "strategies": "one training step under every parallel strategy: time, bytes, memory (mpirun -n 4)",
     "plan": "the calibrated planner's data-parallel step time next to a measured one (mpirun -n N)",
+    "scaling": "tokens/s serially and on 2 ranks per layout (DP, TP, PP): speedup, efficiency, comm (mpirun -n 2)",
 }
 
 
