@@ -14,9 +14,15 @@ reduction (a mean, a max) gives the same numbers in any number of pieces.
 
 How many threads: ``OMP_NUM_THREADS`` when set (the setting BLAS and PyTorch read too), else the
 CPUs divided among the ranks that the MPI launcher put on this machine (so 4 ranks on 2 cores do
-not each start 2 threads). On a GPU (CuPy) the kernel runs once on the whole arrays: the device is
-parallel already. Arrays smaller than ``MIN_PIECE`` entries per thread run in one piece too: handing
-work to a thread costs some tens of microseconds.
+not each start 2 threads). NumPy's BLAS (the matrix products) gets the same share, set when this
+module loads (``backend.blas_threads``), unless ``OMP_NUM_THREADS`` or ``OPENBLAS_NUM_THREADS``
+chose its pool already: OpenBLAS by itself starts one thread per core in every rank, and 2 ranks
+on 2 cores then ran 4 BLAS threads that spin while they wait (``mpirun -n 2 tinytrain train --dp
+2``: 9k tokens/s against 20-30k with one BLAS thread per rank).
+
+On a GPU (CuPy) the kernel runs once on the whole arrays: the device is parallel already. Arrays
+smaller than ``MIN_PIECE`` entries per thread run in one piece too: handing work to a thread costs
+some tens of microseconds.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 
-from tinytrain.backend import launcher_ranks_here, usable_cores, xp
+from tinytrain.backend import blas_threads, launcher_ranks_here, usable_cores, xp
 
 MIN_PIECE = 1 << 16  # entries per thread below which one thread does it all
 
@@ -39,7 +45,16 @@ def thread_count() -> int:
     return max(1, usable_cores() // launcher_ranks_here())
 
 
+def blas_thread_count() -> int | None:
+    """Threads for the BLAS: :data:`THREADS`, or None where the environment chose them already."""
+    if any(os.environ.get(name, "").strip() for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")):
+        return None
+    return THREADS
+
+
 THREADS = thread_count()
+if blas_thread_count() is not None:
+    blas_threads(blas_thread_count())
 _pool: list = [None]  # the worker threads (THREADS - 1 of them; the caller is the first), made on first use
 
 
