@@ -92,13 +92,22 @@ class AdditionDataset:
         return numpy.concatenate(out_a)[:count], numpy.concatenate(out_b)[:count]
 
     def render(self, a, b):
-        """Token ids (count, seq_len) of the problems ``a + b`` with reversed answers."""
+        """Token ids (count, seq_len) of the problems ``a + b`` with reversed answers: the ids of
+        the text ``f"{a:0{d}d}+{b:0{d}d}="`` and the sum's d+1 digits, lowest first. Written with
+        array arithmetic (a digit's id is the digit itself): every rank of a data-parallel run
+        renders the whole global batch each step, and a Python loop over the rows cost 0.6 ms of
+        a 25 ms step."""
         d = self.digits
-        rows = []
-        for x, y in zip(a, b):
-            answer = str(int(x) + int(y)).zfill(d + 1)[::-1]
-            rows.append(self.encode(f"{int(x):0{d}d}+{int(y):0{d}d}={answer}"))
-        return numpy.stack(rows)
+        a, b = numpy.asarray(a, dtype=numpy.int64), numpy.asarray(b, dtype=numpy.int64)
+        high_first = 10 ** numpy.arange(d - 1, -1, -1, dtype=numpy.int64)
+        low_first = 10 ** numpy.arange(d + 1, dtype=numpy.int64)
+        rows = numpy.empty((a.size, self.seq_len), dtype=numpy.int64)
+        rows[:, :d] = a[:, None] // high_first % 10
+        rows[:, d] = self.chars.index("+")
+        rows[:, d + 1 : 2 * d + 1] = b[:, None] // high_first % 10
+        rows[:, 2 * d + 1] = self.chars.index("=")
+        rows[:, 2 * d + 2 :] = (a + b)[:, None] // low_first % 10
+        return rows
 
     def batch(self, split: str, batch_size: int, seed: int, step: int):
         """Inputs and targets (batch_size, block_size); prompt targets are IGNORE."""
