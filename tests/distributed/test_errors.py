@@ -165,11 +165,12 @@ def test_heartbeats_tell_a_busy_peer_from_a_deadlock(monkeypatch):
 
     monkeypatch.setenv("TINYTRAIN_TIMEOUT", "1")
     monkeypatch.setenv("TINYTRAIN_DEBUG", "0")
+    monkeypatch.setenv("TINYTRAIN_HEARTBEAT", "0.25")  # a rank silent for 1 s is taken as stopped
     watchdog.start_heartbeat()
     try:
         x = np.zeros(4)
         if dist.get_rank() == 1:
-            time.sleep(5.5)  # computing: past the deadline, and past the 4 s a silent rank is given
+            time.sleep(2.5)  # computing: past the deadline, and past the 1 s a silent rank is given
             dist.send(np.ones(4), dst=0)
         else:
             dist.recv(x, src=1)  # an honest long wait: no error

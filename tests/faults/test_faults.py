@@ -3,8 +3,9 @@
 Each case starts its own ``mpirun`` (``inject.py`` puts one fault into a real ``tinytrain train``
 run on one rank) or a single ``tinytrain`` process, and checks the exit code, the seconds until
 the last process ended, and the message. They carry no world_size marker: under an outer
-``mpirun -n 4 pytest`` they run on rank 0 only. Deadlines are short (``TINYTRAIN_TIMEOUT=1``) so
-the suite stays fast; the defaults (20 s, 600 s for a busy peer) are only larger.
+``mpirun -n 4 pytest`` they run on rank 0 only. Deadlines are short (``TINYTRAIN_TIMEOUT=1``, a busy
+peer ``TINYTRAIN_BUSY_TIMEOUT=2``) and heartbeats quick (``TINYTRAIN_HEARTBEAT=0.25``: a rank silent
+for 1 s is stopped) so the suite stays fast; the defaults (20 s, 600 s, 1 s beats) are only larger.
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ CASES = [
         2,
         15,
         1,
-        [r"waiting for recv from rank 1", r"(?i)rank 1 is alive but still computing after TINYTRAIN_BUSY_TIMEOUT=4"],
+        [r"waiting for recv from rank 1", r"(?i)rank 1 is alive but still computing after TINYTRAIN_BUSY_TIMEOUT=2"],
     ),
     # a spinning rank among 4: the one named is the spinning one, never a waiting neighbour
-    ("spin", 2, 4, 15, 1, [r"(?i)rank 2 is alive but still computing after TINYTRAIN_BUSY_TIMEOUT=4"]),
+    ("spin", 2, 4, 15, 1, [r"(?i)rank 2 is alive but still computing after TINYTRAIN_BUSY_TIMEOUT=2"]),
     # dtypes and sizes that differ across ranks, without debug mode: the signature in the tags (work.py)
     (
         "dtype",
@@ -76,13 +77,16 @@ CASES = [
 ]
 
 
+QUICK = {"TINYTRAIN_BUSY_TIMEOUT": "2", "TINYTRAIN_HEARTBEAT": "0.25"}
+
+
 @pytest.mark.parametrize(
     "fault,rank,ranks,budget,code,messages", CASES, ids=[f"{c[0]}-rank{c[1]}-of-{c[2]}" for c in CASES]
 )
 def test_a_fault_ends_the_job_with_its_message(tmp_path, fault, rank, ranks, budget, code, messages):
     import re
 
-    rc, seconds, output = inject(tmp_path, fault, rank, ranks, TINYTRAIN_BUSY_TIMEOUT="4")
+    rc, seconds, output = inject(tmp_path, fault, rank, ranks, **QUICK)
     print(f"FAULT {fault}: exit {rc} after {seconds:.1f} s\n{output}")
     assert rc != 0 and (code is None or rc == code), output
     assert seconds < budget, (seconds, output)
@@ -95,25 +99,26 @@ def test_a_fault_ends_the_job_with_its_message(tmp_path, fault, rank, ranks, bud
 
 
 def test_an_honest_slow_rank_is_not_a_failure(tmp_path):
-    """Rank 1 sleeps 6 s in a step (TINYTRAIN_TIMEOUT=1): its heartbeats say it computes, so the
-    others keep waiting and the run ends normally."""
-    rc, seconds, output = inject(tmp_path, "slow", 1)
+    """Rank 1 sleeps 3 s in a step: three times TINYTRAIN_TIMEOUT=1, and three times the 1 s a silent
+    rank is given (TINYTRAIN_HEARTBEAT=0.25). Its heartbeats say it computes, so the others keep
+    waiting and the run ends normally."""
+    rc, seconds, output = inject(tmp_path, "slow", 1, SLOW="3", TINYTRAIN_HEARTBEAT="0.25")
     assert rc == 0, output
-    assert seconds > 6
+    assert seconds > 3
     assert (tmp_path / "run" / "metrics.json").is_file()
 
 
 @pytest.mark.parametrize("fault", ["slow", "compute"])
 def test_a_rank_slow_for_a_hundred_heartbeats_is_waited_for(tmp_path, fault):
-    """Rank 1 of --dp 4 sleeps, or computes in NumPy, for 120 heartbeats (TINYTRAIN_HEARTBEAT=0.05,
-    so 6 s stand for 2 minutes). The beats sent to it while it reads none used to fill MPICH's
+    """Rank 1 of --dp 4 sleeps, or computes in NumPy, for 120 heartbeats (TINYTRAIN_HEARTBEAT=0.025,
+    so 3 s stand for 2 minutes). The beats sent to it while it reads none used to fill MPICH's
     64 shared-memory cells of each sender: after about a minute a waiting rank could send nothing,
     its own heartbeats stopped, and the job died blaming it ("rank 0 has sent no heartbeat")."""
     rc, seconds, output = inject(
-        tmp_path, fault, 1, ranks=4, SLOW="6", TINYTRAIN_HEARTBEAT="0.05", TINYTRAIN_BUSY_TIMEOUT="60"
+        tmp_path, fault, 1, ranks=4, SLOW="3", TINYTRAIN_HEARTBEAT="0.025", TINYTRAIN_BUSY_TIMEOUT="60"
     )
     assert rc == 0, output
-    assert seconds > 6
+    assert seconds > 3
     assert (tmp_path / "run" / "metrics.json").is_file()
 
 
