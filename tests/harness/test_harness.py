@@ -176,7 +176,7 @@ def test_a_rank_stuck_in_pure_python_ends_the_job_at_the_deadline_with_every_ran
     def test_never_reached():
         pass
     """
-    proc, out, seconds = run_pytest(tmp_path, source, 4, TINYTRAIN_TIMEOUT="2", TINYTRAIN_TEST_TIMEOUT="6")
+    proc, out, seconds = run_pytest(tmp_path, source, 4, TINYTRAIN_TIMEOUT="1", TINYTRAIN_TEST_TIMEOUT="3")
     assert proc.returncode == 87, out  # EXIT_DEADLINE, not pytest's "tests failed"
     for rank in range(4):
         assert (
