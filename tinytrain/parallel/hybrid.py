@@ -171,12 +171,17 @@ class ParallelModel:
             self._sync_pipeline_gradients()
             value = xp.asarray([loss if loss is not None else 0.0], dtype=xp.float64)
             dist.all_reduce(value, group=self.pp_group)  # the last stage has it
+            return float(dist.all_reduce(value, op="avg", group=self.data_group)[0])
         else:
             routing = self.experts.active() if self.experts is not None else contextlib.nullcontext()
             with _random.batch_rows(first, total), self._my_positions(x.shape[1]) as positions, routing:
                 if positions is not None:  # context parallel: my positions of every sequence
                     x, y = x[:, positions], y[:, positions]
                 loss = self._loss(x, y, n_targets, positions)
+                # The batch's mean loss travels while backward runs (the gradient hooks poll it):
+                # waited for after the gradients, it is no extra point where the ranks wait for each other.
+                value = xp.asarray([loss.item()], dtype=xp.float64)
+                average = dist.all_reduce(value, op="avg", group=self.data_group, async_op=True)
                 if self.experts is not None:
                     loss.backward()
                     self.experts.sync_gradients()  # dense over the data group, experts over DP
@@ -186,8 +191,7 @@ class ParallelModel:
                     loss.backward()
                     if self.context is not None and self.data_group.size > 1:  # (see _wrap_data_parallel)
                         self._average_gradients(self.data_group)
-            value = xp.asarray([loss.item()], dtype=xp.float64)
-        return float(dist.all_reduce(value, op="avg", group=self.data_group)[0])
+        return float(average.wait()[0])
 
     @contextlib.contextmanager
     def _my_positions(self, seq_len: int):
