@@ -86,6 +86,13 @@ def dropout(x, p=0.5, training=True, generator=None, site=None, seq_shard=None):
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     if not training or p == 0.0:
         return x
+    if (generator is not None or not site) and _random.in_segment():
+        raise ValueError(
+            "dropout inside a recomputed segment (activation recomputation) must draw from its site's "
+            "generator, which gives the same mask again in backward: give the Dropout a site (a GPT names "
+            "its dropouts; a module of your own: set .site), or move the dropout out of the segment "
+            "(--recompute none)"
+        )
     if generator is None:
         generator = _random.dropout_generator(site) if site else _random.default_generator()
     full_shape, index = list(x.shape), [slice(None)] * x.ndim

@@ -19,6 +19,12 @@ Dropout under any parallel layout draws exactly the serial model's masks. Two th
   micro-batch) says so with ``with batch_rows(first, total):``; dropout then draws the mask of the
   whole batch and keeps its rows (``functional.dropout``). A rank that holds only some positions
   of every sequence (context parallel) says so with ``with sequence_positions(positions, total):``.
+
+Activation recomputation (``tinytrain.autograd.checkpoint``) runs a segment's forward again in
+backward, where a pipeline is outside the micro-batch's ``batch_rows``: it keeps ``snapshot()`` of
+these settings at forward time and recomputes inside ``restored(snapshot)``, so every site draws
+its forward mask again. Inside a segment (``in_segment()``) a dropout must have a site: the global
+generator has moved on by backward and could not draw the same mask twice.
 """
 
 from __future__ import annotations
@@ -30,7 +36,14 @@ import numpy
 
 from tinytrain.backend import default_rng
 
-_state = {"device": default_rng(0), "host": numpy.random.default_rng(0), "seed": (0,), "rows": None, "positions": None}
+_state = {
+    "device": default_rng(0),
+    "host": numpy.random.default_rng(0),
+    "seed": (0,),
+    "rows": None,
+    "positions": None,
+    "segments": 0,  # recomputed segments (tinytrain.autograd.checkpoint) now running
+}
 
 
 def manual_seed(seed) -> None:
@@ -94,3 +107,40 @@ def sequence_positions(positions, total: int):
 def current_sequence_positions():
     """``(positions, total)`` set by the innermost ``sequence_positions``, or None."""
     return _state["positions"]
+
+
+# --- activation recomputation: the same masks in a segment's forward and in its recompute -------
+
+_MASK_SETTINGS = ("seed", "rows", "positions")
+
+
+def snapshot() -> dict:
+    """What a site's dropout mask depends on besides the site: the seed, ``batch_rows`` and
+    ``sequence_positions`` in effect now (a checkpoint keeps it from its forward)."""
+    return {key: _state[key] for key in _MASK_SETTINGS}
+
+
+@contextlib.contextmanager
+def restored(settings: dict):
+    """Inside, the settings of ``snapshot()`` are ``settings``; the current ones come back on leaving."""
+    previous = snapshot()
+    _state.update(settings)
+    try:
+        yield
+    finally:
+        _state.update(previous)
+
+
+@contextlib.contextmanager
+def segment():
+    """Inside: a recomputed segment runs (its forward, or its recompute in backward)."""
+    _state["segments"] += 1
+    try:
+        yield
+    finally:
+        _state["segments"] -= 1
+
+
+def in_segment() -> bool:
+    """Whether a recomputed segment is running: a random draw here must be one it can repeat."""
+    return _state["segments"] > 0

@@ -1,5 +1,6 @@
 """A small reverse-mode autograd engine on NumPy/CuPy arrays (see ``engine`` for how it works)."""
 
+from tinytrain.autograd.checkpoint import checkpoint
 from tinytrain.autograd.engine import (
     Context,
     Function,
@@ -19,6 +20,7 @@ __all__ = [
     "Function",
     "Parameter",
     "Tensor",
+    "checkpoint",
     "enable_grad",
     "is_grad_enabled",
     "no_grad",
