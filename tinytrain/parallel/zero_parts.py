@@ -7,16 +7,18 @@ lists them in parameter order. A unit is (name, callable, parameters): stage 3 g
 parameters, runs it and frees them again, so a rank holds at most one unit's full parameters at a
 time. :class:`ShardedUnit` makes a unit one step of the autograd graph: its forward runs without a
 graph (so the gathered parameters can really be freed) and its backward gathers them again and
-recomputes the forward with a graph (activation checkpointing) before backpropagating through it.
+recomputes the forward with a graph before backpropagating through it: activation recomputation,
+the same ``autograd.checkpoint`` as ``--recompute``, with the gather as its context.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from tinytrain import distributed as dist
 from tinytrain import trace
-from tinytrain.autograd import Function, Tensor, enable_grad, no_grad
+from tinytrain.autograd import checkpoint
 from tinytrain.backend import xp
 from tinytrain.parallel.wrapper import Wrapper
 
@@ -42,27 +44,26 @@ class ShardedParam:
         return full.reshape(-1)[self.start : self.stop]
 
 
-class ShardedUnit(Function):
-    """One stage-3 layer as a single autograd step: gather, run, free; in backward gather again,
-    recompute with a graph, backpropagate (the hooks reduce-scatter), free. ``anchor`` is a
-    0-element tensor that requires grad, so the engine records this step even when ``x`` is token ids."""
+class ShardedUnit:
+    """One stage-3 layer as a single autograd step: activation recomputation
+    (``tinytrain.autograd.checkpoint``) whose context gathers the layer's parameters::
+
+        forward    gather W ─ run fn(x) without a graph ─ free W           keeps x only
+        backward   gather W ─ recompute fn(x) with a graph ─ backpropagate ─ free W
+                                                (p's hooks reduce-scatter its gradient here)
+
+    Without a graph the gathered W can really be freed after forward: a graph would keep
+    references to it. ``anchor`` (a 0-element tensor that requires grad) is part of the call
+    zero.py makes; the checkpoint records the step itself, also when ``x`` is token ids."""
 
     @staticmethod
-    def forward(ctx, x, anchor, *, zero, fn, shards, name):
-        ctx.zero, ctx.layer, ctx.shards, ctx.name = zero, fn, shards, name
-        ctx.save_for_backward(x)  # the layer's input: the one activation a checkpoint keeps
-        with zero.gathered(shards), no_grad(), trace.span(f"forward {name}", cat="compute"):
-            return fn(Tensor(x)).data
+    def apply(x, anchor, *, zero, fn, shards, name):
+        @contextlib.contextmanager
+        def gathered(phase):  # "forward", or "backward": the recompute and its backward
+            with zero.gathered(shards), trace.span(f"{phase} {name}", cat="compute"):
+                yield
 
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved
-        with ctx.zero.gathered(ctx.shards), trace.span(f"backward {ctx.name}", cat="compute"):
-            with enable_grad():
-                inp = Tensor(x, requires_grad=x.dtype.kind == "f")
-                out = ctx.layer(inp)
-            out.backward(grad)
-        return inp.grad, None
+        return checkpoint(fn, x, context=gathered)
 
 
 def gpt_units(model) -> list:
