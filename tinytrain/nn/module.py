@@ -39,7 +39,13 @@ class Module:
     def forward(self, *args, **kwargs):
         raise NotImplementedError(f"{type(self).__name__} does not define forward()")
 
+    # Activation recomputation (``tinytrain.nn.recompute``): None, or a function (module, *args)
+    # that runs this module's forward as one recomputed segment (``autograd.checkpoint``).
+    recompute_fn = None
+
     def __call__(self, *args, **kwargs):
+        if self.recompute_fn is not None:
+            return self.recompute_fn(self, *args, **kwargs)
         return self.forward(*args, **kwargs)
 
     # --- the tree ---------------------------------------------------------------------------

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import numpy
 
 from tinytrain import functional as F
-from tinytrain.autograd import Tensor
+from tinytrain.autograd import Tensor, checkpoint
 from tinytrain.backend import xp
 from tinytrain.nn.layers import MLP, Dropout, Embedding, LayerNorm, Linear  # noqa: F401 (MLP re-exported)
 from tinytrain.nn.module import Module, ModuleList
@@ -119,6 +120,22 @@ def attend(attention_fn, q, k, v):
     if attention_fn is None:
         return F.scaled_dot_product_attention(q, k, v, causal=True)
     return attention_fn(q, k, v)
+
+
+class RecomputedAttention:
+    """An ``attention_fn`` whose core, (q, k, v) -> softmax(q·kᵀ/√d)·v, is recomputed in backward
+    (selective activation recomputation, ``tinytrain.nn.recompute``): the core is one checkpoint
+    that keeps q, k, v and drops the (B, H, T, T) probabilities. ``inner``: the core, None for
+    causal attention over the whole sequence, or a parallel chapter's function (context parallel)."""
+
+    def __init__(self, inner=None):
+        self.inner = inner
+
+    def __call__(self, q, k, v):
+        return checkpoint(partial(attend, self.inner), q, k, v)
+
+    def __repr__(self):
+        return f"RecomputedAttention({self.inner!r})"
 
 
 class Block(Module):
@@ -226,12 +243,16 @@ class GPT(Module):
         """An empty ``KVCache`` for ``decode`` over ``batch`` rows; None where this model cannot use
         one and gives the same numbers: experts with a capacity (a forward's capacity counts all its
         tokens: one token at a time would keep others), or attention that is not this module's
-        (context parallel sets ``attention_fn``; a tensor-parallel layer is another class)."""
+        (context parallel sets ``attention_fn``; a tensor-parallel layer is another class). Recomputing
+        in backward (``RecomputedAttention``, a block's ``recompute_fn``) changes no number: cached."""
         if self.config.n_experts and self.config.moe_capacity_factor:
             return None
         for block in self.blocks:
             plain = type(block) is Block and type(block.attn) is CausalSelfAttention
-            if not plain or block.attn.attention_fn is not None:
+            fn = block.attn.attention_fn
+            if isinstance(fn, RecomputedAttention):  # the same attention, recomputed in backward
+                fn = fn.inner
+            if not plain or fn is not None:
                 return None
         return KVCache(self.config, batch, self.wte.weight.data.dtype)
 

@@ -28,6 +28,7 @@ import math
 
 import numpy
 
+from tinytrain.autograd.ops import ATTENTION_BLOCK
 from tinytrain.parallel.simulator import bubble_formula
 
 __all__ = [
@@ -42,6 +43,8 @@ __all__ = [
     "pipeline_volume",
     "context_parallel_volume",
     "activation_bytes_per_layer",
+    "attention_scores_kept",
+    "tinytrain_activation_bytes",
     "gpt_parameters",
     "gpt_flops",
     "mlp_parameters",
@@ -181,22 +184,111 @@ def context_parallel_volume(activation_bytes: float, cp: int, algo: str = "ring"
 
 
 def activation_bytes_per_layer(
-    s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: bool = False, itemsize: int = 2
+    s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute=False, itemsize: int = 2
 ) -> float:
-    """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, 16-bit activations):
+    """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2, 16-bit
+    activations, 1-byte dropout masks, Megatron's layer)::
 
-        no TP             sbh (34 + 5as/h)
-        TP over t         sbh (10 + 24/t + 5as/(ht))
-        TP + SP           sbh/t (34 + 5as/h)
-        full recompute    2sbh (only the layer's input; /t under SP)
+                          none                    selective (attention core)   full
+        no TP             sbh (34 + 5as/h)        34 sbh                       2sbh
+        TP over t         sbh (10 + 24/t + 5as/(ht))   sbh (10 + 24/t)         2sbh
+        TP + SP           sbh/t (34 + 5as/h)      34 sbh/t                     2sbh/t
 
-    ``itemsize`` scales the 2-byte figures (4: fp32 activations)."""
+    ``recompute``: "none", "selective" or "full" (False and True: none and full). ``itemsize``
+    scales the 2-byte figures (4: fp32 activations; the masks scale with it too). tinytrain's own
+    layer keeps other arrays: :func:`tinytrain_activation_bytes` (its exact bytes), and says where."""
+    mode = {False: "none", True: "full"}.get(recompute, recompute)
     sbh = s * b * h * itemsize / 2
-    if recompute:
+    attention = 0 if mode == "selective" else 5 * a * s / h  # the core: softmax, its dropout, its mask
+    if mode == "full":
         return 2 * sbh / (t if sp else 1)
+    if mode not in ("none", "selective"):
+        raise ValueError(f"recompute is none, selective or full, got {recompute!r}")
     if sp:
-        return sbh / t * (34 + 5 * a * s / h)
-    return sbh * (10 + 24 / t + 5 * a * s / (h * t))
+        return sbh / t * (34 + attention)
+    return sbh * (10 + 24 / t + attention / t)
+
+
+def attention_scores_kept(s: int) -> int:
+    """Probabilities per head and sequence that tinytrain's causal attention keeps for backward:
+    blocks of 64 query rows (``autograd/ops.py``), each against the keys up to its last row, so
+    s² for s ≤ 64 and about s²/2 + 32s beyond."""
+    block = ATTENTION_BLOCK
+    return sum((min(s, lo + block) - lo) * min(s, lo + block) for lo in range(0, s, block))
+
+
+def tinytrain_activation_bytes(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+    dropout: bool = True,
+    cp: int = 1,
+    cp_algo: str = "ring",
+) -> int:
+    """Bytes one block of tinytrain's GPT keeps for backward, exactly as the engine counts them
+    (``saved_bytes()``: each buffer once, parameters not): float32 activations, bool dropout masks,
+    what our ops save. s positions of b sequences, width h, a heads, over t tensor-parallel ranks::
+
+        kept by                                   bytes            TP over t     TP + SP
+        ln_1, ln_2: xhat (s·b·h), rstd (s·b)     2 (4sbh + 4sb)    not divided   /t
+        ln_1, ln_2 outputs (inputs of q,k,v and   2 · 4sbh         not divided   not divided (*)
+          of fc_1, kept by those linears)
+        q, k, v                                   3 · 4sbh         /t            /t
+        attention output (input of proj)          4sbh             /t            /t
+        fc_1 output (GELU's input), GELU's σ,     3 · 16sbh        /t            /t
+          GELU output (input of fc_2)
+        the two dropout masks (if dropout)        2 · sbh          not divided   /t
+        attention core: probabilities             4ab · P(s)       /t (heads)    /t
+          (P(s) = attention_scores_kept(s), s² for s ≤ 64)
+
+        none       all of the above: 82sbh + 8sb + 4abP            (80sbh + 8sb + 4abP without dropout)
+        TP         18sbh + 8sb + 64sbh/t + 4abP/t
+        TP + SP    8sbh + (74sbh + 8sb + 4abP)/t
+        selective  the same without the attention core (it keeps q, k, v, counted above)
+        full       4sbh: the block's input (/t under SP, where the input is a sequence shard)
+
+    (*) Megatron's SP keeps the LayerNorm output's shard and all-gathers it again in backward; our
+    column-parallel linear keeps the all-gathered input, so 8sbh stays whole under SP.
+
+    Context parallel over ``cp`` ranks: every term above with this rank's s/cp positions, but the
+    attention core is the algorithm's: ring attention keeps its output (B, H, s/cp, D) and the
+    log-sum-exp of each row, 4·(s/cp)bh + 4ab·s/cp (q, k, v are counted above); all-to-all
+    (Ulysses) keeps the probabilities of its a/cp whole-sequence heads, 4b·(a/cp)·P(s), and q, k, v
+    gathered to those heads instead of this rank's (the same 12·(s/cp)bh). Heads /t under TP.
+
+    Against :func:`activation_bytes_per_layer` at itemsize 4 (Korthikanti et al.'s terms in fp32),
+    without TP: ours - theirs = 14sbh + 8sb + 4abP - 10abs², from 16sbh (GELU keeps σ besides its
+    input), -2sbh (our masks are 1 byte, the scaled formula counts 2), 8sb (LayerNorm's rstd), and
+    an attention core of 4abP (the probabilities, the causal blocks only) against 10abs² (softmax
+    output, the attention-dropout mask and output: our attention has no dropout)."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute is none, selective or full, got {recompute!r}")
+    if s % cp:
+        raise ValueError(f"{cp} context-parallel ranks do not split {s} positions evenly")
+    sbh, sb = s // cp * b * h, s // cp * b  # this rank's positions
+    if recompute == "full":
+        return 4 * sbh // (t if sp else 1)
+    masks = 2 * sbh if dropout else 0
+    norms = 8 * sbh + 8 * sb + masks  # xhat and rstd of both LayerNorms, the dropout masks
+    inputs = 8 * sbh  # the two LayerNorm outputs the column-parallel linears keep
+    split = 64 * sbh  # q, k, v, attention output, fc_1 output, GELU's σ and output
+    if recompute == "selective":
+        core = 0
+    elif cp == 1:
+        core = 4 * b * a * attention_scores_kept(s)  # the probabilities
+    elif cp_algo == "ring":
+        core = 4 * sbh + 4 * a * sb  # the ring's output and log-sum-exp
+    elif cp_algo == "alltoall":
+        core = 4 * b * (a // cp) * attention_scores_kept(s)  # the probabilities of my whole-sequence heads
+    else:
+        raise ValueError(f"cp_algo is ring or alltoall, got {cp_algo!r}")
+    if t > 1 and (split % t or core % t or (sp and norms % t)):
+        raise ValueError(f"{t} tensor-parallel ranks do not divide this layer's activations evenly")
+    return (norms // t if sp else norms) + inputs + (split + core) // t
 
 
 # --- the GPT: parameters and FLOPs ---------------------------------------------------------------
