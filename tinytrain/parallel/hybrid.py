@@ -22,6 +22,7 @@ into this rank's part, always in this order, as torchtitan's ``parallelize`` doe
     1. shard every block for TP (and SP)         tensor_parallel.tensor_parallel_gpt
        attention over the CP group (positions)   context_parallel.apply_context_parallel
        experts over the EP group (all-to-all)    expert_parallel.apply_expert_parallel
+       recompute blocks or attention cores       nn.recompute.apply_recompute (--recompute)
     2. cut the blocks into pipeline stages       pipeline.PipelineStage
     3. replicate over DP, or shard with ZeRO     data_parallel.BucketedDDP, zero.Zero
 
@@ -47,6 +48,7 @@ from tinytrain.checkpoint import Placement
 from tinytrain.data import IGNORE
 from tinytrain.distributed.choice import is_stub
 from tinytrain.nn.moe import moe_step_stats, summarize_stats
+from tinytrain.nn.recompute import apply_recompute, recomputed_attention
 from tinytrain.optim import clip_grad_norm_
 from tinytrain.parallel.plan import Plan
 
@@ -70,6 +72,7 @@ class ParallelModel:
         self.part = self._shard_tensor_parallel(model)  # 1.
         self.context = self._context_parallel(self.part)  # 1b.
         self.experts = self._expert_parallel(self.part)  # 1c.
+        self.recompute = self._recompute(self.part)  # 1d.
         self.stage = self._split_pipeline(self.part)  # 2.
         self.dp, self.zero = self._wrap_data_parallel()  # 3.
 
@@ -108,6 +111,16 @@ class ParallelModel:
 
         # also with --dp alone (EP of 1): the load-balancing loss is a whole-batch statistic
         return apply_expert_parallel(part, self.ep_group, self.dp_group if plan.dp > 1 else None)
+
+    # --- 1d. activation recomputation: each block (full) or attention core (selective) in backward
+
+    def _recompute(self, part) -> str:
+        """Set ``--recompute`` on this rank's blocks (after TP built its own, before PP takes them)."""
+        mode = self.plan.recompute
+        if mode == "full" and self.plan.zero == 3:
+            mode = "none"  # ZeRO-3's units recompute every block already (zero_parts.ShardedUnit)
+        apply_recompute(part, mode)
+        return mode
 
     # --- 2. pipeline ---------------------------------------------------------------------------
 
@@ -200,7 +213,9 @@ class ParallelModel:
             yield None
             return
         positions = self.context.positions(seq_len)
-        with _random.sequence_positions(positions, seq_len), self.context.active():
+        selective = self.recompute == "selective"  # CP's attention is set for the step: recompute that one
+        recomputed = recomputed_attention(self.context.modules) if selective else contextlib.nullcontext()
+        with _random.sequence_positions(positions, seq_len), self.context.active(), recomputed:
             yield positions
 
     def _loss(self, x, y, n_targets, positions=None):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tinytrain.nn.recompute import check_mode as check_recompute
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -28,6 +30,7 @@ class Plan:
     cp_algo: str = "ring"
     cp_split: str = "zigzag"
     ep: int = 1
+    recompute: str = "none"  # activation recomputation (nn/recompute.py): none, selective, full
 
     @property
     def world_size(self) -> int:
@@ -58,6 +61,7 @@ class Plan:
             raise ValueError(f"--microbatches must be at least 1, got {self.microbatches}")
         if self.bucket_mb <= 0:
             raise ValueError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+        check_recompute(self.recompute)  # every layout takes every mode: it changes memory, not numbers
         if self.sp and self.tp < 2:
             raise ValueError("--sp splits the sequence over the tensor-parallel group: add --tp 2 or more")
         if self.cp > 1 and self.pp > 1:

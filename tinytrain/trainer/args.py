@@ -10,6 +10,7 @@ import importlib
 import math
 
 from tinytrain.nn import GPT, GPTConfig
+from tinytrain.nn.recompute import MODES as RECOMPUTE_MODES
 
 MAX_LR = 10.0  # above this every model here diverges in its first steps
 
@@ -135,6 +136,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("zigzag", "contiguous"),
         default="zigzag",
         help="which positions a context rank holds: chunks r and 2N-1-r (balanced under the causal mask), or chunk r",
+    )
+    par.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_MODES,
+        default="none",
+        help="activation recomputation in backward: none, selective (each attention core: drops the "
+        "T x T probabilities), full (each block: keeps only its input); any layout, the same numbers",
     )
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.add_argument(

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 from tinytrain import checkpoint
 from tinytrain.checkpoint import Placement
 from tinytrain.nn.moe import moe_step_stats
+from tinytrain.nn.recompute import apply_recompute
 from tinytrain.optim import clip_grad_norm_
 
 
@@ -251,5 +252,6 @@ def make_runner(model, plan, batch_size: int):
     """The serial runner for one rank without parallel flags, else the mesh runner."""
     if plan.is_serial:
         plan.check(1, model.config, batch_size)
+        apply_recompute(model, plan.recompute)  # (a mesh applies it in hybrid.parallelize)
         return SerialRunner(model)
     return MeshRunner(model, plan, batch_size)
