@@ -41,6 +41,9 @@ def test_every_layout_has_a_row_whose_figures_add_up(tmp_path, capsys):
     assert by_layout["dp"]["plan"] == "--dp 2" and by_layout["dp"]["target_speedup"] == 1.7
     assert by_layout["pp"]["plan"] == "--pp 2 --schedule 1f1b --microbatches 8"
     assert by_layout["tp"]["target_speedup"] is None  # judged on the wide model, not this one
+    # DP's ideal: a serial step on one replica's rows, timed beside; only DP has one
+    assert by_layout["dp"]["ideal_speedup"] > 0
+    assert by_layout["tp"]["ideal_speedup"] is None and by_layout["pp"]["ideal_speedup"] is None
     # every layout talks: TP all-reduces activations, PP sends them, DP waits for the last bucket
     assert all(r["comm_share"] > 0 for r in rows)
     printed = capsys.readouterr().out

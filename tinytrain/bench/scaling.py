@@ -30,6 +30,11 @@ only ever adds time). Per layout and model::
     tok/s 2 ranks  the same on 2 ranks (best round)
     speedup        tok/s 2 ranks / tok/s serial
     efficiency     speedup / 2 (1.0: two ranks do the work of two)
+    ideal          dp only: the serial step's time over the time of a serial step on one replica's
+                   rows (rank 0 alone, half the batch, timed in the same rounds): what --dp 2 would
+                   give if its communication were free. Below 2 because a step has costs that do not
+                   shrink with the batch (AdamW and clipping over every weight, the Python of each
+                   op), and every replica pays them whole
     comm           the share of the 2-rank step spent communicating, from the trace: per rank, the
                    time within the timed steps in which a communication span was open (a collective
                    from its call to its completion, a point-to-point message from its post to its
@@ -114,7 +119,7 @@ class Side:
     """One way of training ``model``: serially (``fields`` None) or under a 2-rank plan; it keeps its
     runner, optimizer and step count across rounds, and its losses."""
 
-    def __init__(self, model: str, fields: dict | None, text: str):
+    def __init__(self, model: str, fields: dict | None, text: str, batch_size: int | None = None):
         from tinytrain.data import load_dataset
         from tinytrain.parallel.plan import Plan
         from tinytrain.trainer.args import build_model
@@ -122,6 +127,7 @@ class Side:
         from tinytrain.trainer.runners import make_runner
 
         self.args = train_flags(model, text)
+        self.args.batch_size = batch_size or self.args.batch_size
         self.dataset = load_dataset(self.args.data, self.args.block_size, self.args.digits)
         self.plan = Plan(**(fields or {}))
         self.model = build_model(self.args, self.dataset)
@@ -185,20 +191,28 @@ def measure(layouts: list, models: list | None, steps: int | None, warmup: int, 
     pairs = [(m, name) for name in layouts for m in (models or [LAYOUTS[name][0]])]
     used = list(dict.fromkeys(m for m, _ in pairs))
     serial = {m: Side(m, None, text) if rank == 0 else None for m in used}
+    # DP's ideal: rank 0 alone on one replica's rows (a data-parallel step with free communication)
+    replica = {m: None for m, name in pairs if name == "dp"}
+    if rank == 0:
+        replica = {m: Side(m, None, text, serial[m].args.batch_size // RANKS) for m in replica}
     sides = {(m, name): Side(m, LAYOUTS[name][1], text) for m, name in pairs}
     runs = {m: steps or MODELS[m][1] for m in used}
     for m in used:
         timed(serial[m], warmup)
+        if m in replica:
+            timed(replica[m], warmup)
         for (model, _), side in sides.items():
             if model == m:
                 timed(side, warmup)
-    seconds = {key: [] for key in [*used, *sides]}
+    seconds = {key: [] for key in [*used, *sides, *((m, "replica") for m in replica)]}
     shares, queued = {key: [] for key in sides}, {key: [] for key in [*used, *sides]}
     for _ in range(rounds):
         for m in used:
             s, _, q = timed(serial[m], runs[m])
             seconds[m].append(s)
             queued[m].append(q[0])
+            if m in replica:
+                seconds[(m, "replica")].append(timed(replica[m], runs[m])[0])
             for key, side in sides.items():
                 if key[0] == m:
                     s, share, q = timed(side, runs[m])
@@ -215,6 +229,9 @@ def measure(layouts: list, models: list | None, steps: int | None, warmup: int, 
         best, best_serial = int(numpy.argmax(ranks_tps)), int(numpy.argmax(serial_tps))
         speedup = max(ranks_tps) / max(serial_tps)
         diffs = [abs(a - b) for a, b in zip(serial[m].losses, side.losses)]
+        ideal = None
+        if name == "dp":  # the serial step's time over the time of one replica's rows alone
+            ideal = min(seconds[m]) / min(seconds[(m, "replica")])
         rows.append(
             {
                 "layout": name,
@@ -228,6 +245,7 @@ def measure(layouts: list, models: list | None, steps: int | None, warmup: int, 
                 "parallel_tokens_per_s": max(ranks_tps),
                 "speedup": speedup,
                 "efficiency": speedup / RANKS,
+                "ideal_speedup": ideal,
                 "comm_share": max(shares[(m, name)][best]),
                 "comm_share_per_rank": shares[(m, name)][best],
                 "loss_diff": max(diffs),
@@ -259,18 +277,23 @@ def print_table(rows: list, warmup: int) -> None:
     )
     print(
         f"# {'layout':<7}{'model':<9}{'plan':<44}{'params':>11}{'tok/s serial':>13}{'tok/s 2 ranks':>14}"
-        f"{'speedup':>9}{'effic.':>8}{'comm':>6}{'queued':>12}{'loss diff':>10}  target"
+        f"{'speedup':>9}{'effic.':>8}{'ideal':>7}{'comm':>6}{'queued':>12}{'loss diff':>10}  target"
     )
     for r in rows:
         target = r["target_speedup"]
         verdict = "" if target is None else f"{target:.1f}x " + ("met" if r["speedup"] >= target else "BELOW")
         print(
             f"  {r['layout']:<7}{r['model']:<9}{r['plan']:<44}{r['parameters']:>11,}{r['serial_tokens_per_s']:>13,.0f}"
-            f"{r['parallel_tokens_per_s']:>14,.0f}{r['speedup']:>8.2f}x{r['efficiency']:>8.0%}{r['comm_share']:>6.0%}"
+            f"{r['parallel_tokens_per_s']:>14,.0f}{r['speedup']:>8.2f}x{r['efficiency']:>8.0%}{_times(r['ideal_speedup']):>7}"
+            f"{r['comm_share']:>6.0%}"
             f"{_share(r['serial_queued']):>6}/{_share(r['parallel_queued']):<5}{r['loss_diff']:>10.1e}  {verdict}",
             flush=True,
         )
     print("# speedup = tok/s on 2 ranks / tok/s serial; efficiency = speedup / 2")
+    print(
+        "# ideal (dp) = the serial step's time / the time of a serial step on one replica's rows: the speedup "
+        "with free communication"
+    )
     print(
         "# comm = share of the 2-rank steps' wall time in which the rank communicated or waited for a message and "
         "did not compute (from the trace; the busiest rank)"
@@ -282,6 +305,10 @@ def print_table(rows: list, warmup: int) -> None:
             f"note: other programs held the cores for up to {busiest:.0%} of a run: the 2-rank runs, which need "
             "both cores, lose more to them than the serial one; on an idle machine the speedups are higher"
         )
+
+
+def _times(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def _share(value) -> str:
