@@ -21,6 +21,12 @@ experts and takes its own rows; per MoE layer and pass two all-to-alls (dispatch
 tokens × top-k, padded to the capacity factor, which also scales the busiest rank's expert compute
 (the imbalance). What is not modelled: the optimizer step's time, the logits' memory, a MoE layer's
 extra activations, overlap of TP, EP or PP messages with compute, interleaved schedules.
+
+Activations are Megatron's layer (the paper's formula, ``activation_bytes_per_layer``), and a
+layout recomputes fully or not at all (``Layout.recompute``; the formula also prices "selective").
+tinytrain's own layer keeps other arrays: ``costs.tinytrain_activation_bytes`` gives its exact bytes,
+14sbh + 8sb + 4abP - 10abs² more than the formula at itemsize 4 without recompute (its docstring
+says term by term why), 14sbh + 8sb more with selective, the same 4sbh with full.
 """
 
 from __future__ import annotations
