@@ -282,6 +282,8 @@ def print_table(rows: list, warmup: int) -> None:
     for r in rows:
         target = r["target_speedup"]
         verdict = "" if target is None else f"{target:.1f}x " + ("met" if r["speedup"] >= target else "BELOW")
+        if target is not None and (r["parallel_queued"] or 0) > BUSY:
+            verdict += " (busy machine)"
         print(
             f"  {r['layout']:<7}{r['model']:<9}{r['plan']:<44}{r['parameters']:>11,}{r['serial_tokens_per_s']:>13,.0f}"
             f"{r['parallel_tokens_per_s']:>14,.0f}{r['speedup']:>8.2f}x{r['efficiency']:>8.0%}{_times(r['ideal_speedup']):>7}"
