@@ -25,6 +25,12 @@ uses that moment to start all-reducing a gradient while the rest of backward sti
 
 Bytes saved for backward are counted while alive (``saved_bytes()``): that is the activation
 memory that pipeline and sequence parallel reduce, measured rather than estimated.
+
+A gradient has its tensor's dtype: the engine casts one that a backward returns in another (a
+float32 loss hands its bfloat16 logits a float32 gradient). Loss scaling (fp16 training,
+``tinytrain.optim.LossScaler``): inside ``loss_scaling(S)`` a scalar's ``backward()`` starts from S
+instead of 1, exactly as if the loss had been multiplied by S, so every gradient comes out S times
+larger, above float16's underflow; the optimizer divides by S again, in float32.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from tinytrain.backend import xp
 
 class _GradMode:
     enabled = True
+    loss_scale = 1.0  # where a scalar's backward() starts (loss_scaling)
 
 
 def is_grad_enabled() -> bool:
@@ -57,6 +64,18 @@ def no_grad():
         yield
     finally:
         _GradMode.enabled = previous
+
+
+@contextlib.contextmanager
+def loss_scaling(scale: float):
+    """Inside: ``loss.backward()`` of a scalar without a given gradient starts from ``scale``
+    instead of 1: the gradients of ``scale · loss`` (the loss itself is unchanged)."""
+    previous = _GradMode.loss_scale
+    _GradMode.loss_scale = float(scale)
+    try:
+        yield
+    finally:
+        _GradMode.loss_scale = previous
 
 
 @contextlib.contextmanager
@@ -323,7 +342,7 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
                 f"backward() without a gradient needs a scalar output, got shape {root.shape}; "
                 "pass grad= with the output's shape, or reduce the output first (e.g. .sum())."
             )
-        grad = xp.ones_like(root.data)
+        grad = xp.full_like(root.data, _GradMode.loss_scale)  # 1, or the loss scale (loss_scaling)
     else:
         grad = grad.data if hasattr(grad, "_ctx") else xp.asarray(grad, dtype=root.data.dtype)
         if grad.shape != root.shape:
@@ -365,6 +384,8 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
                 if inp is None or not inp.requires_grad:
                     continue
                 if ig is not None:
+                    if ig.dtype != inp.data.dtype:  # a gradient has its tensor's dtype
+                        ig = ig.astype(inp.data.dtype)
                     _accumulate(grads, inp, ig)
                 if inp._ctx is None:
                     key = id(inp)

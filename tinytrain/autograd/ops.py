@@ -7,6 +7,27 @@ gradient per positional argument of forward (``None`` for arguments that are not
 Some operations are *fused* (layer_norm, gelu, cross_entropy, scaled_dot_product_attention,
 linear): one Function instead of a chain of small ones, because each Function costs Python
 overhead and a temporary array, and because the fused backward is short enough to read.
+
+Low precision (``--precision bf16|fp16``: float16, or bfloat16 from ``ml_dtypes``). Every op returns
+its inputs' dtype, and a gradient has its tensor's dtype (the engine casts one that does not). What
+each op computes in:
+
+    elementwise ops (add, mul, exp, ...)   the low dtype itself: NumPy converts each element to
+                                           float32, computes and rounds the result once, as a GPU
+                                           kernel that writes fp16 does
+    matmul, linear                         NumPy: float32 GEMM on upcast operands, rounded once
+                                           (its float16 matmul is a loop ~50x slower than BLAS;
+                                           ml_dtypes' bfloat16 matmul returns float32); CuPy: the
+                                           native fp16 GEMM, which accumulates in float32 too
+    sums, means (bias gradients, ...)      accumulated in float32, rounded once: along an axis NumPy
+                                           adds float16 in float16 (column sums of 1000 values near
+                                           0.1: 0.6% off), ml_dtypes adds bfloat16 in bfloat16 (100k
+                                           such values sum to 64)
+    fused ops (layer_norm, gelu, softmax,  float32 inside, as a GPU's fused kernel computes in
+    attention, cross_entropy), the         registers; outputs and what backward keeps in the low
+    embedding's scatter-add                dtype, but cross_entropy returns a float32 loss (a
+                                           statistic; fp16's exp overflows at 11) and keeps float32
+                                           probabilities (p - 1 of a confident target is lost in bf16)
 """
 
 from __future__ import annotations
@@ -18,7 +39,36 @@ import numpy
 
 from tinytrain.autograd.engine import Function
 from tinytrain.autograd.threads import in_pieces
-from tinytrain.backend import index_add, xp
+from tinytrain.backend import index_add, is_low_precision, on_gpu, xp
+
+
+def _up(a):
+    """``a`` in float32 if it is a low-precision array, else ``a`` itself (no copy): where an op
+    computes in float32 (see the module docstring)."""
+    return a.astype(xp.float32) if is_low_precision(a.dtype) else a
+
+
+def _low(a, dtype):
+    """``a`` rounded to ``dtype`` when that is a low precision (what an op computed in float32)."""
+    return a.astype(dtype) if is_low_precision(dtype) and a.dtype != dtype else a
+
+
+def _sum(a, axis=None, keepdims=False):
+    """``a.sum(...)``; a low-precision array is accumulated in float32 and rounded once."""
+    if is_low_precision(a.dtype):
+        return xp.sum(a, axis=axis, keepdims=keepdims, dtype=xp.float32).astype(a.dtype)
+    return xp.sum(a, axis=axis, keepdims=keepdims)
+
+
+_NATIVE_LOW_MATMUL = on_gpu  # CuPy's fp16 GEMM accumulates in float32; NumPy has no fast one
+
+
+def _matmul(a, b):
+    """``a @ b``; low-precision operands are multiplied in float32 on NumPy, rounded once."""
+    low = a.dtype if is_low_precision(a.dtype) else b.dtype
+    if not is_low_precision(low) or (_NATIVE_LOW_MATMUL and a.dtype == b.dtype):
+        return a @ b
+    return (_up(a) @ _up(b)).astype(low)
 
 
 def unbroadcast(grad, shape):
@@ -27,10 +77,10 @@ def unbroadcast(grad, shape):
         return grad
     extra = grad.ndim - len(shape)
     if extra > 0:
-        grad = grad.sum(axis=tuple(range(extra)))
+        grad = _sum(grad, axis=tuple(range(extra)))
     stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
     if stretched:
-        grad = grad.sum(axis=stretched, keepdims=True)
+        grad = _sum(grad, axis=stretched, keepdims=True)
     return grad
 
 
@@ -154,21 +204,21 @@ class MatMul(Function):
                 "reshape a vector to (1, n) or (n, 1) first."
             )
         ctx.save_for_backward(a, b)
-        return a @ b
+        return _matmul(a, b)
 
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved
         ga = gb = None
         if ctx.needs_input_grad[0]:
-            ga = unbroadcast(grad @ xp.swapaxes(b, -1, -2), a.shape)
+            ga = unbroadcast(_matmul(grad, xp.swapaxes(b, -1, -2)), a.shape)
         if ctx.needs_input_grad[1]:
             if b.ndim == 2:
                 # (..., n, k) @ (k, m): fold the batch into one GEMM instead of a batch of them
                 # followed by a sum over the batch.
-                gb = a.reshape(-1, a.shape[-1]).T @ grad.reshape(-1, grad.shape[-1])
+                gb = _matmul(a.reshape(-1, a.shape[-1]).T, grad.reshape(-1, grad.shape[-1]))
             else:
-                gb = unbroadcast(xp.swapaxes(a, -1, -2) @ grad, b.shape)
+                gb = unbroadcast(_matmul(xp.swapaxes(a, -1, -2), grad), b.shape)
         return ga, gb
 
 
@@ -181,18 +231,25 @@ class Linear(Function):
         ctx.has_bias = bias is not None
         # Fold the batch axes into rows: one (rows, in) @ (in, out) GEMM. A (B, T, in) @ (in, out)
         # product is a batch of B small GEMMs in NumPy, about 3x slower for a GPT's shapes.
-        out = x.reshape(-1, x.shape[-1]) @ weight
-        if bias is not None:
-            out += bias
+        rows = x.reshape(-1, x.shape[-1])
+        if is_low_precision(x.dtype) and not _NATIVE_LOW_MATMUL:  # float32 GEMM + bias, rounded once
+            out = _up(rows) @ _up(weight)
+            if bias is not None:
+                out += bias
+            out = out.astype(x.dtype)
+        else:
+            out = rows @ weight
+            if bias is not None:
+                out += bias
         return out.reshape(x.shape[:-1] + (weight.shape[1],))
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved
         g2 = grad.reshape(-1, grad.shape[-1])
-        gx = (g2 @ weight.T).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        gw = x.reshape(-1, x.shape[-1]).T @ g2 if ctx.needs_input_grad[1] else None
-        gb = g2.sum(axis=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gx = _matmul(g2, weight.T).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        gw = _matmul(x.reshape(-1, x.shape[-1]).T, g2) if ctx.needs_input_grad[1] else None
+        gb = _sum(g2, axis=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
 
 
@@ -204,7 +261,7 @@ class Sum(Function):
     @staticmethod
     def forward(ctx, a, axis=None, keepdims=False):
         ctx.args = (a.shape, axis, keepdims)
-        return xp.sum(a, axis=axis, keepdims=keepdims)
+        return _sum(a, axis=axis, keepdims=keepdims)
 
     @staticmethod
     def backward(ctx, grad):
@@ -217,7 +274,7 @@ class Mean(Function):
     def forward(ctx, a, axis=None, keepdims=False):
         ctx.args = (a.shape, axis, keepdims)
         ctx.count = math.prod(a.shape[i] for i in _normalize_axis(axis, a.ndim))
-        return xp.mean(a, axis=axis, keepdims=keepdims)
+        return _low(xp.mean(_up(a), axis=axis, keepdims=keepdims), a.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -252,10 +309,11 @@ class Var(Function):
         count = math.prod(a.shape[i] for i in _normalize_axis(axis, a.ndim))
         if count - correction <= 0:
             raise ValueError(f"var over {count} element(s) with correction={correction} is undefined")
+        low, a = a.dtype, _up(a)  # in float32 (a statistic), the result rounded once
         centered = a - xp.mean(a, axis=axis, keepdims=True)
-        ctx.save_for_backward(centered)
+        ctx.save_for_backward(_low(centered, low))
         ctx.args = (a.shape, axis, keepdims, count - correction)
-        return xp.sum(centered * centered, axis=axis, keepdims=keepdims) / (count - correction)
+        return _low(xp.sum(centered * centered, axis=axis, keepdims=keepdims) / (count - correction), low)
 
     @staticmethod
     def backward(ctx, grad):
@@ -346,18 +404,23 @@ class GELU(Function):
 
     @staticmethod
     def forward(ctx, x):
+        dtype = x.dtype  # a low precision: computed in float32, out and σ kept rounded to it
         x = xp.ascontiguousarray(x)
-        s, out = xp.empty_like(x), xp.empty_like(x)
-        in_pieces(_gelu_forward, x.reshape(-1), s.reshape(-1), out.reshape(-1))
-        ctx.save_for_backward(x, s)
-        return out
+        x32 = _up(x)
+        s, out = xp.empty_like(x32), xp.empty_like(x32)
+        in_pieces(_gelu_forward, x32.reshape(-1), s.reshape(-1), out.reshape(-1))
+        ctx.save_for_backward(x, _low(s, dtype))
+        return _low(out, dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, s = ctx.saved
-        d = xp.empty_like(x)
-        in_pieces(_gelu_backward, x.reshape(-1), s.reshape(-1), xp.ascontiguousarray(grad).reshape(-1), d.reshape(-1))
-        return (d,)
+        x32, s32 = _up(x), _up(s)
+        d = xp.empty_like(x32)
+        in_pieces(
+            _gelu_backward, x32.reshape(-1), s32.reshape(-1), _up(xp.ascontiguousarray(grad)).reshape(-1), d.reshape(-1)
+        )
+        return (_low(d, x.dtype),)
 
 
 def _gelu_forward(x, s, out):
@@ -390,7 +453,7 @@ def _gelu_backward(x, s, grad, d):
 class Softmax(Function):
     @staticmethod
     def forward(ctx, x, axis=-1):
-        out = _softmax_inplace(x.copy(), axis)
+        out = _low(_softmax_inplace(_up(x).copy(), axis), x.dtype)  # in float32
         ctx.save_for_backward(out)
         ctx.axis = axis
         return out
@@ -398,15 +461,17 @@ class Softmax(Function):
     @staticmethod
     def backward(ctx, grad):
         (y,) = ctx.saved
-        gy = grad * y
-        return (gy - y * xp.sum(gy, axis=ctx.axis, keepdims=True),)
+        y32 = _up(y)
+        gy = _up(grad) * y32
+        return (_low(gy - y32 * xp.sum(gy, axis=ctx.axis, keepdims=True), y.dtype),)
 
 
 class LogSoftmax(Function):
     @staticmethod
     def forward(ctx, x, axis=-1):
-        shifted = x - xp.max(x, axis=axis, keepdims=True)
-        out = shifted - xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True))
+        x32 = _up(x)  # in float32
+        shifted = x32 - xp.max(x32, axis=axis, keepdims=True)
+        out = _low(shifted - xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True)), x.dtype)
         ctx.save_for_backward(out)
         ctx.axis = axis
         return out
@@ -414,7 +479,8 @@ class LogSoftmax(Function):
     @staticmethod
     def backward(ctx, grad):
         (out,) = ctx.saved
-        return (grad - xp.exp(out) * xp.sum(grad, axis=ctx.axis, keepdims=True),)
+        grad32 = _up(grad)
+        return (_low(grad32 - xp.exp(_up(out)) * xp.sum(grad32, axis=ctx.axis, keepdims=True), out.dtype),)
 
 
 class CrossEntropy(Function):
@@ -422,6 +488,7 @@ class CrossEntropy(Function):
 
     logits (..., C), targets (...) integers; entries equal to ``ignore_index`` count neither in
     the loss nor in the mean's denominator. Computed from the log-sum-exp, so it never overflows.
+    Low-precision logits are upcast: the loss is float32, and so are the probabilities kept.
     """
 
     @staticmethod
@@ -434,7 +501,7 @@ class CrossEntropy(Function):
                 "targets need the logits' shape without the last (class) axis."
             )
         n_classes = logits.shape[-1]
-        flat = logits.reshape(-1, n_classes)
+        flat = _up(logits.reshape(-1, n_classes))
         tgt = targets.reshape(-1)
         valid = tgt != ignore_index
         safe_tgt = xp.where(valid, tgt, 0)
@@ -450,8 +517,8 @@ class CrossEntropy(Function):
         denom = valid.sum() if reduction == "mean" else 1
         ctx.save_for_backward(probs, safe_tgt, valid)
         ctx.denom = denom
-        ctx.logits_shape = logits.shape
-        return xp.asarray(nll.sum() / denom, dtype=logits.dtype)
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        return xp.asarray(nll.sum() / denom, dtype=flat.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -459,7 +526,7 @@ class CrossEntropy(Function):
         g = probs.copy()
         g[xp.arange(g.shape[0]), tgt] -= 1
         g *= (valid * (grad / ctx.denom))[:, None].astype(g.dtype)
-        return g.reshape(ctx.logits_shape), None
+        return _low(g, ctx.logits_dtype).reshape(ctx.logits_shape), None
 
 
 # --------------------------------------------------------------------------------------------
@@ -600,13 +667,14 @@ class Embedding(Function):
     def backward(ctx, grad):
         (ids,) = ctx.saved
         (rows, dim), dtype = ctx.weight_meta
-        gw = xp.zeros(rows * dim, dtype=dtype)
+        # A low precision adds in float32 (a row may sum many tokens' gradients), rounded once.
+        gw = xp.zeros(rows * dim, dtype=xp.float32 if is_low_precision(dtype) else dtype)
         # Each id's gradient row adds into gw[id, :]. Written as a scatter of single entries into
         # the flattened weight (entry id·dim + j), which NumPy's add.at does about 5x faster than
         # a scatter of whole rows.
         entries = ids.reshape(-1, 1) * dim + xp.arange(dim)
-        index_add(gw, entries.reshape(-1), grad.reshape(-1))
-        return gw.reshape(rows, dim), None
+        index_add(gw, entries.reshape(-1), _up(grad).reshape(-1))
+        return _low(gw, dtype).reshape(rows, dim), None
 
 
 class LayerNorm(Function):
@@ -622,23 +690,28 @@ class LayerNorm(Function):
 
     @staticmethod
     def forward(ctx, x, weight=None, bias=None, eps=1e-5):
-        rows = xp.ascontiguousarray(x).reshape(-1, x.shape[-1])
+        # A low precision is normalized in float32 (mean and variance are statistics over the row);
+        # the output and the xhat kept for backward are rounded to it.
+        rows = _up(xp.ascontiguousarray(x).reshape(-1, x.shape[-1]))
+        w32, b32 = (None if a is None else _up(a) for a in (weight, bias))
         xhat, out = xp.empty_like(rows), xp.empty_like(rows)
         rstd = xp.empty((rows.shape[0], 1), dtype=rows.dtype)
-        kernel = functools.partial(_layer_norm_forward, weight=weight, bias=bias, eps=eps)
+        kernel = functools.partial(_layer_norm_forward, weight=w32, bias=b32, eps=eps)
         in_pieces(kernel, rows, xhat, rstd, out)
-        ctx.save_for_backward(xhat, rstd, weight)
-        return out.reshape(x.shape)
+        ctx.save_for_backward(_low(xhat, x.dtype), rstd, weight)
+        return _low(out, x.dtype).reshape(x.shape)
 
     @staticmethod
     def backward(ctx, grad):
         xhat, rstd, weight = ctx.saved
-        rows = xp.ascontiguousarray(grad).reshape(xhat.shape)
+        dtype, xhat, w32 = xhat.dtype, _up(xhat), None if weight is None else _up(weight)
+        rows = _up(xp.ascontiguousarray(grad).reshape(xhat.shape))
         gw = xp.einsum("ij,ij->j", rows, xhat) if weight is not None and ctx.needs_input_grad[1] else None
         gb = _column_sums(rows) if len(ctx.needs_input_grad) > 2 and ctx.needs_input_grad[2] else None
         gx = xp.empty_like(rows)
-        in_pieces(functools.partial(_layer_norm_backward, weight=weight), rows, xhat, rstd, gx)
-        return gx.reshape(grad.shape), gw, gb
+        in_pieces(functools.partial(_layer_norm_backward, weight=w32), rows, xhat, rstd, gx)
+        gw, gb = (None if g is None else _low(g, dtype) for g in (gw, gb))
+        return _low(gx, dtype).reshape(grad.shape), gw, gb
 
 
 def _layer_norm_forward(x, xhat, rstd, out, weight, bias, eps):
@@ -723,6 +796,11 @@ class ScaledDotProductAttention(Function):
         T, S = q.shape[-2], k.shape[-2]
         if causal and T != S:
             raise ValueError(f"causal attention needs as many queries as keys, got {T} and {S}")
+        # A low precision: the core runs in float32 on upcast q, k, v (scores and softmax are where
+        # fp16 overflows and bf16 loses the small probabilities); kept for backward: q, k, v and the
+        # probabilities rounded to it; the output is rounded once.
+        kept, dtype = (q, k, v), v.dtype
+        q, k, v = (_up(a) for a in kept)
         scale = q.dtype.type(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
         blocks = _query_blocks(T, S, causal)
         batch = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
@@ -736,21 +814,23 @@ class ScaledDotProductAttention(Function):
                 scores[..., lo:hi] += _causal_bias(hi - lo, scores.dtype)
             in_pieces(_softmax_inplace, scores)  # now the probabilities, on every core
             out[..., lo:hi, :] = scores @ v[..., :keys, :]
-            probs.append(scores)
-        ctx.save_for_backward(q, k, v, *probs)
+            probs.append(_low(scores, dtype))
+        ctx.save_for_backward(*kept, *probs)
         ctx.scale, ctx.blocks = scale, blocks
-        return out
+        return _low(out, dtype)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, *probs = ctx.saved
+        shapes, dtype = (q.shape, k.shape, v.shape), v.dtype
+        q, k, v, grad = (_up(a) for a in (q, k, v, grad))  # in float32, as forward
         batch = grad.shape[:-2]
         dq = xp.empty(batch + q.shape[-2:], dtype=q.dtype)
         dk = xp.zeros(batch + k.shape[-2:], dtype=k.dtype)
         dv = xp.zeros(batch + v.shape[-2:], dtype=v.dtype)
         v_t = xp.swapaxes(v, -1, -2)
         for (lo, hi, keys), p in zip(ctx.blocks, probs):
-            g = grad[..., lo:hi, :]
+            p, g = _up(p), grad[..., lo:hi, :]
             dv[..., :keys, :] += xp.swapaxes(p, -1, -2) @ g
             ds = g @ v_t[..., :keys]  # dp, then ds in place, on every core
             in_pieces(_softmax_backward_inplace, ds, p)
@@ -758,7 +838,7 @@ class ScaledDotProductAttention(Function):
             dk[..., :keys, :] += xp.swapaxes(ds, -1, -2) @ q[..., lo:hi, :]
         dq *= ctx.scale  # on (T, D) gradients rather than on each (T, T) ds
         dk *= ctx.scale
-        return unbroadcast(dq, q.shape), unbroadcast(dk, k.shape), unbroadcast(dv, v.shape)
+        return tuple(unbroadcast(_low(d, dtype), shape) for d, shape in zip((dq, dk, dv), shapes))
 
 
 ATTENTION_BLOCK = 64  # query rows per block: small enough to skip most of the masked half

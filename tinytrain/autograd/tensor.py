@@ -12,7 +12,7 @@ import numpy
 from tinytrain.autograd import engine as _engine
 from tinytrain.autograd import ops
 from tinytrain.autograd.engine import backward as _run_backward
-from tinytrain.backend import xp
+from tinytrain.backend import is_low_precision, xp
 
 DEFAULT_DTYPE = xp.float32
 
@@ -34,7 +34,7 @@ class Tensor:
                 data = data.astype(DEFAULT_DTYPE)  # Python floats become float32, not float64
         if dtype is not None and data.dtype != dtype:
             data = data.astype(dtype)
-        if requires_grad and data.dtype.kind not in "fc":
+        if requires_grad and data.dtype.kind not in "fc" and not is_low_precision(data.dtype):  # (bfloat16: "V")
             raise TypeError(f"only floating-point tensors can require grad, got {data.dtype}")
         self.data = data
         self.grad = None

@@ -234,6 +234,39 @@ on_gpu = device == "gpu"  # real CuPy
 on_device = device != "cpu"  # arrays live in (real or stand-in) device memory
 
 
+# --- precision (``--precision``): the dtypes of parameters, activations and gradients ---------------
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def precision_dtype(name: str):
+    """The dtype of ``--precision name``: float32, float16, or bfloat16 (NumPy has none: the
+    ``ml_dtypes`` package registers it as a NumPy dtype). CuPy has no bfloat16, so on a device
+    (``gpu``, and ``strict``, which stands in for CuPy) bf16 is refused with what to use instead."""
+    if name not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    if name == "fp32":
+        return numpy.dtype(numpy.float32)
+    if name == "fp16":
+        return numpy.dtype(numpy.float16)
+    if on_device:
+        raise ValueError(
+            "--precision bf16 runs on NumPy only (CuPy has no bfloat16 dtype); on a GPU use --precision fp16, "
+            "or run on the CPU with TINYTRAIN_DEVICE=cpu"
+        )
+    import ml_dtypes
+
+    return numpy.dtype(ml_dtypes.bfloat16)
+
+
+def is_low_precision(dtype) -> bool:
+    """True for the 16-bit floats of ``--precision`` (float16, bfloat16): arrays of them are
+    computed on in float32 where NumPy would be slow or inexact (``tinytrain.autograd.ops``), and
+    an optimizer keeps float32 master weights for parameters of them (``tinytrain.optim``)."""
+    dtype = numpy.dtype(dtype)
+    return dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16")
+
+
 def is_array(obj) -> bool:
     """True for an array of the active library (or a NumPy array, which every backend accepts)."""
     return isinstance(obj, (numpy.ndarray, xp.ndarray))

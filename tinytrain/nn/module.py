@@ -90,6 +90,16 @@ class Module:
         for p in self.parameters():
             p.grad = None
 
+    def to(self, dtype) -> Module:
+        """Cast every parameter to ``dtype`` in place (``--precision``: float16, or ml_dtypes'
+        bfloat16), dropping gradients; the activations follow, since every op keeps its inputs'
+        dtype. Returns the module."""
+        for p in self.parameters():
+            if p.data.dtype != dtype:
+                p.data = p.data.astype(dtype)
+            p.grad = None
+        return self
+
     # --- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> OrderedDict[str, object]:
