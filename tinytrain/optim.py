@@ -1,9 +1,18 @@
-"""Optimizers (SGD with momentum, AdamW), gradient-norm clipping and a warmup + cosine schedule.
+"""Optimizers (SGD with momentum, AdamW), gradient-norm clipping and a warmup + cosine schedule;
+for mixed precision, float32 master weights and dynamic loss scaling (``LossScaler``).
 
 Each optimizer keeps its per-parameter state in ``optimizer.state[param]`` (a dict of arrays),
 so it can be inspected, counted (``state_bytes()``) and, in ZeRO, sharded. The update rule itself
 is a plain function on arrays (``Optimizer.update``), so ZeRO can apply it to a shard of a
 parameter with a shard of its gradient and a shard of its state.
+
+Mixed precision (``--precision bf16|fp16``): the model's parameters and gradients are 16-bit, the
+optimizer works in float32. For a 16-bit parameter the state holds ``master``, a float32 copy of
+it; ``update`` casts the gradient up, applies the rule to the master (with float32 moments) and
+writes the master back into the parameter, rounded: an update smaller than half the parameter's
+spacing (bf16: 2^-8 of its size) still adds up in the master instead of being lost. So AdamW holds
+12 bytes per element (master, m, v) beside the parameter's 2 and the gradient's 2: 2Ψ + 2Ψ + 12Ψ,
+and ZeRO shards the master with the moments, since it is part of the state.
 """
 
 from __future__ import annotations
@@ -11,10 +20,15 @@ from __future__ import annotations
 import math
 
 from tinytrain.autograd import timed
-from tinytrain.backend import to_host, xp
+from tinytrain.backend import is_low_precision, to_host, xp
 
 
 class Optimizer:
+    # The gradients are this many times the loss's (fp16 loss scaling: ``LossScaler``); ``update``
+    # divides them by it, in float32, so a gradient that only the scale kept above float16's
+    # underflow is not flushed to zero by the division.
+    loss_scale = 1.0
+
     def __init__(self, params, lr: float):
         self.params = list(params)
         if not self.params:
@@ -41,11 +55,35 @@ class Optimizer:
                     state = self.state[p] = self.init_state(p.data)
                 self.update(p.data, p.grad, state)
 
-    def init_state(self, param):
-        raise NotImplementedError
+    def init_state(self, param) -> dict:
+        """The state of a new parameter array (or ZeRO's piece of one): the rule's (``new_state``);
+        for a 16-bit ``param`` also ``master``, its float32 copy, and the rule's state is float32."""
+        if not is_low_precision(param.dtype):
+            return self.new_state(param)
+        master = param.astype(xp.float32)
+        return {**self.new_state(master), "master": master}
 
     def update(self, param, grad, state) -> None:
-        """Apply one step to the array ``param`` from ``grad`` and ``state`` (all in place)."""
+        """Apply one step to the array ``param`` from ``grad`` and ``state`` (all in place): the
+        rule on ``param`` itself, or, with a float32 ``master`` in the state, on the master with the
+        gradient in float32, and the parameter takes the new master's value, rounded to its dtype.
+        The gradient is divided by ``loss_scale`` first."""
+        master = state.get("master")
+        if master is None:
+            self.rule(param, grad / self.loss_scale if self.loss_scale != 1 else grad, state)
+            return
+        grad = grad.astype(xp.float32)  # a copy: the rule may change it
+        if self.loss_scale != 1:
+            grad *= 1 / self.loss_scale
+        self.rule(master, grad, state)
+        param[...] = master  # round to nearest in param's dtype
+
+    def new_state(self, param) -> dict:
+        """The rule's state for ``param`` (its moments: arrays like it)."""
+        raise NotImplementedError
+
+    def rule(self, param, grad, state) -> None:
+        """The update rule on arrays of one dtype, in place."""
         raise NotImplementedError
 
     def state_bytes(self) -> int:
@@ -81,10 +119,10 @@ class SGD(Optimizer):
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         self.momentum, self.weight_decay = momentum, weight_decay
 
-    def init_state(self, param):
+    def new_state(self, param):
         return {"momentum": xp.zeros_like(param)} if self.momentum else {}
 
-    def update(self, param, grad, state) -> None:
+    def rule(self, param, grad, state) -> None:
         if self.weight_decay:
             grad = grad + self.weight_decay * param
         if self.momentum:
@@ -109,10 +147,10 @@ class AdamW(Optimizer):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         self.betas, self.eps, self.weight_decay = (b1, b2), eps, weight_decay
 
-    def init_state(self, param):
+    def new_state(self, param):
         return {"step": 0, "exp_avg": xp.zeros_like(param), "exp_avg_sq": xp.zeros_like(param)}
 
-    def update(self, param, grad, state) -> None:
+    def rule(self, param, grad, state) -> None:
         b1, b2 = self.betas
         state["step"] += 1
         t = state["step"]
@@ -139,6 +177,60 @@ def clip_grad_norm_(params, max_norm: float, total_norm: float | None = None) ->
         for g in grads:
             g *= scale
     return total_norm
+
+
+def grads_finite(grads) -> bool:
+    """Whether every entry of every array in ``grads`` (None skipped) is finite: one bool to the host."""
+    ok = True
+    for g in grads:
+        if g is not None and g.size:
+            ok = ok & xp.isfinite(g).all()
+    return bool(ok)
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16 training (Micikevicius et al., *Mixed Precision Training*, 2018).
+
+    float16 keeps 5 exponent bits: nothing below 2^-24 (6e-8) survives, and backward's small
+    gradients (a mean over many tokens, the gradient of a deep activation) round to zero. So
+    backward runs on the loss times ``scale`` (``autograd.loss_scaling``: every gradient comes out
+    ``scale`` times larger, into float16's range), and the optimizer divides by it again, in
+    float32 (``Optimizer.loss_scale``). Too large a scale overflows float16's 65504 instead:
+
+        update(found_inf=True)    an inf or NaN in some gradient: the step is skipped (no update)
+                                  and the scale halves (``backoff``)
+        update(found_inf=False)   a clean step; after ``growth_interval`` of them in a row the
+                                  scale doubles (``growth``), to use as much of the range as is safe
+
+    PyTorch's GradScaler has the same defaults but a growth interval of 2000 steps; 200 suits runs of
+    a few hundred steps. bfloat16 has float32's exponent range and needs no scaling.
+    """
+
+    def __init__(self, scale: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5, growth_interval: int = 200):
+        if scale <= 0 or growth <= 1 or not 0 < backoff < 1 or growth_interval < 1:
+            raise ValueError("LossScaler needs scale > 0, growth > 1, 0 < backoff < 1 and growth_interval >= 1")
+        self.scale, self.growth, self.backoff, self.growth_interval = float(scale), growth, backoff, growth_interval
+        self.clean_steps = 0  # clean steps since the last change of scale
+        self.skipped = False  # was the last step skipped?
+
+    def update(self, found_inf: bool) -> bool:
+        """After a step's backward: True to take the step; False to skip it (and halve the scale)."""
+        self.skipped = bool(found_inf)
+        if self.skipped:
+            self.scale *= self.backoff
+            self.clean_steps = 0
+            return False
+        self.clean_steps += 1
+        if self.clean_steps == self.growth_interval:
+            self.scale *= self.growth
+            self.clean_steps = 0
+        return True
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
 
 
 class WarmupCosine:
