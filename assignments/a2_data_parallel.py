@@ -59,6 +59,7 @@ from tinytrain import trace
 from tinytrain.backend import xp
 from tinytrain.parallel.wrapper import (
     Wrapper,
+    average_op,
     broadcast_parameters,
     flatten,
     grad_or_zeros,
@@ -126,7 +127,8 @@ class Bucket:
         for p in self.params:
             self.buffer[offset : offset + p.size] = grad_or_zeros(p).reshape(-1)
             offset += p.size
-        self.work = dist.all_reduce(self.buffer, op="avg", group=group, async_op=True, algo=algo)
+        op = average_op(self.buffer, group)  # "avg" (16-bit: "sum" of buffer / N, see average_op)
+        self.work = dist.all_reduce(self.buffer, op=op, group=group, async_op=True, algo=algo)
 
     def finish(self) -> None:
         """Wait for the all-reduce and copy the averaged gradients back into ``.grad``."""

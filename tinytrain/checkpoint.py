@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy
 
-from tinytrain.backend import to_host, xp
+from tinytrain.backend import is_low_precision, to_host, xp
 
 MANIFEST = "manifest.json"
 FORMAT = "tinytrain-checkpoint-1"
@@ -340,8 +340,14 @@ def collect(named, optimizer, zero_shards=None, writes=None):
             state = s.state or {}
         else:
             value, state = p.data, optimizer.state.get(p, {})
+        # Mixed precision: the float32 master weights are the parameter, saved as float32 (so a run of
+        # any --precision resumes from the same numbers); a 16-bit parameter without one is widened.
+        value = state.get("master", value)
+        value = value.astype(xp.float32) if is_low_precision(value.dtype) else value
         pieces.append((Piece(field="param", **where), to_host(value).copy()))
         for field, v in state.items():
+            if field == "master":
+                continue
             if hasattr(v, "shape"):
                 pieces.append((Piece(field=field, **where), to_host(v).copy()))
             else:
@@ -361,11 +367,15 @@ def restore(reader: Reader, named, optimizer, zero_shards=None) -> None:
             return xp.asarray(local.reshape(-1)[s.start : s.stop].copy() if s is not None else local)
 
         if s is not None and s.data is not None:  # ZeRO-3: the parameter lives as my piece
-            s.data = mine("param")
+            dtype = s.data.dtype
+            s.data = mine("param").astype(dtype)
         else:  # ZeRO-1/2 too: every rank holds the whole (TP-local) parameter
+            dtype = p.data.dtype
             p.data[...] = xp.asarray(placement.cut(reader.read(placement.name, "param"))).reshape(p.shape)
         state = {f: mine(f) for f in reader.fields(placement.name) if f != "param"}
         state.update(scalars.get(placement.name, {}))
+        if state and is_low_precision(dtype):  # mixed precision: the saved float32 values are the master
+            state["master"] = mine("param").astype(xp.float32)
         if s is not None:
             s.state = state or None
         elif state:

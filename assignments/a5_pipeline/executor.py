@@ -74,6 +74,7 @@ class PipelineStep:
         self.total_rows = total_rows or x.shape[0]
         self.n_targets = n_targets or int((xp.asarray(y) != -100).sum())
         self.act_shape = stage.model.activation_shape(rows, x.shape[1])
+        self.act_dtype = stage.parameters()[0].data.dtype  # activations have the weights' dtype (--precision)
         self.received: dict = {}  # (mb, chunk) -> leaf Tensor (not on virtual stage 0)
         self.outputs: dict = {}  # (mb, chunk) -> output Tensor, or the loss on the last virtual stage
         self.pending = []  # isend handles; their buffers must live until they complete
@@ -96,7 +97,7 @@ class PipelineStep:
         k = st.virtual(chunk)
         if k > 0:  # waiting for the input is a bubble, not work: it stays outside the compute span
             h = recv_activation(
-                self.act_shape, xp.float32, st.peer(k - 1), message_tag(mb, k - 1, st.n_virtual, False), st.group
+                self.act_shape, self.act_dtype, st.peer(k - 1), message_tag(mb, k - 1, st.n_virtual, False), st.group
             )
             self.received[(mb, chunk)] = h
         rows = _random.batch_rows(self.first_rows[mb], self.total_rows)  # dropout: the serial mask's rows

@@ -40,7 +40,7 @@ import math
 from tinytrain import distributed as dist
 from tinytrain import trace
 from tinytrain.autograd import Function
-from tinytrain.backend import xp
+from tinytrain.backend import is_low_precision, xp
 from assignments.a7_context_parallel.merge import block_attention, block_gradients, merge_partials
 from assignments.a7_context_parallel.split import block_pairs, chunk_ids
 
@@ -110,8 +110,15 @@ def ring_backward(q, k, v, out, lse, grad, group, split, scale):
 
 
 def ring_attention(q, k, v, group=None, split="zigzag", scale=None):
-    """Ring attention over the context-parallel ``group`` (Tensors (B, H, T/N, D) at my positions)."""
-    return RingAttention.apply(q, k, v, group=group, split=split, scale=scale)
+    """Ring attention over the context-parallel ``group`` (Tensors (B, H, T/N, D) at my positions).
+
+    ``--precision bf16|fp16``: K/V (and their gradients) travel in the low precision, the blocks are
+    computed in float32 (scores, softmax and the merge are where fp16 overflows): q is cast up, so
+    every product with it is a float32 one, and the output is rounded back once."""
+    if not is_low_precision(q.dtype):
+        return RingAttention.apply(q, k, v, group=group, split=split, scale=scale)
+    out = RingAttention.apply(q.astype(xp.float32), k, v, group=group, split=split, scale=scale)
+    return out.astype(q.dtype)
 
 
 def ring_bytes(q_shape, itemsize: int, n: int) -> tuple[int, int]:

@@ -19,6 +19,7 @@ step)::
 ``parallelize(model, plan)`` turns the serial GPT (the same weights on every rank, from the seed)
 into this rank's part, always in this order, as torchtitan's ``parallelize`` does:
 
+    0. cast the parameters to --precision        nn.Module.to (the optimizer keeps fp32 masters)
     1. shard every block for TP (and SP)         tensor_parallel.tensor_parallel_gpt
        attention over the CP group (positions)   context_parallel.apply_context_parallel
        experts over the EP group (all-to-all)    expert_parallel.apply_expert_parallel
@@ -43,14 +44,15 @@ from tinytrain import checkpoint
 from tinytrain import distributed as dist
 from tinytrain import functional as F
 from tinytrain import random as _random
-from tinytrain.backend import xp
+from tinytrain.backend import precision_dtype, xp
 from tinytrain.checkpoint import Placement
 from tinytrain.data import IGNORE
 from tinytrain.distributed.choice import is_stub
 from tinytrain.nn.moe import moe_step_stats, summarize_stats
 from tinytrain.nn.recompute import apply_recompute, recomputed_attention
-from tinytrain.optim import clip_grad_norm_
+from tinytrain.optim import clip_grad_norm_, grads_finite
 from tinytrain.parallel.plan import Plan
+from tinytrain.parallel.wrapper import average_op
 
 
 class ParallelModel:
@@ -58,6 +60,7 @@ class ParallelModel:
 
     def __init__(self, model, plan: Plan):
         self.model, self.plan = model, plan
+        model.to(precision_dtype(plan.precision))  # 0. (what every later step shards is in it)
         self.shapes = {name: p.shape for name, p in model.named_parameters()}  # before ZeRO-3 frees them
         mesh = plan.mesh()
         self.dp_rank, self.ep_rank, self.cp_rank, self.tp_rank = (mesh.coordinate(a) for a in ("dp", "ep", "cp", "tp"))
@@ -236,7 +239,7 @@ class ParallelModel:
         for p in self.parameters():
             if p.grad is None:
                 p.grad = xp.zeros_like(p.data)
-            dist.all_reduce(p.grad, op="avg", group=group)
+            dist.all_reduce(p.grad, op=average_op(p.grad, group), group=group)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the global norm of the serial model's gradient: squares summed over every group
@@ -274,6 +277,18 @@ class ParallelModel:
             self.zero.step(optimizer)
         else:
             optimizer.step()
+
+    def found_inf(self) -> bool:
+        """Does a gradient on any rank hold an inf or NaN (fp16 loss scaling)? Every rank must skip
+        the same steps, or replicas and shards part: one 4-byte all-reduce (max) over all ranks."""
+        flag = xp.asarray([0 if grads_finite(g for _, g in self._local_gradients()) else 1], dtype=xp.int32)
+        return bool(dist.all_reduce(flag, op="max")[0])
+
+    def skip_step(self) -> None:
+        """Drop this step's gradients without an update (ZeRO keeps its pieces apart from p.grad)."""
+        if self.zero is not None:
+            for s in self.zero.shards:
+                s.grad = None
 
     # --- the whole model on every rank (evaluation, sampling) ---------------------------------------
 

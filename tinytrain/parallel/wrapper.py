@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tinytrain import distributed as dist
 from tinytrain import trace
-from tinytrain.backend import xp
+from tinytrain.backend import is_low_precision, xp
 
 
 def broadcast_parameters(module, src: int = 0, group=None) -> None:
@@ -31,6 +31,20 @@ def grad_or_zeros(p):
     if p.grad is None:
         p.grad = xp.zeros_like(p.data)
     return p.grad
+
+
+def average_op(buffer, group=None) -> str:
+    """The reduce op that averages ``buffer`` over ``group``: ``"avg"`` (sum, then divide). A 16-bit
+    buffer (``--precision bf16|fp16``) is divided by the group's size first, in place, and summed
+    (``"sum"``): in float16 the sum of N loss-scaled gradients can overflow 65504 where their average
+    does not (DeepSpeed's gradient pre-division), and tinytrain.distributed refuses ``"avg"`` on
+    bfloat16 (its check asks ``numpy.issubdtype(dtype, numpy.floating)``, which ml_dtypes' bfloat16 is
+    not). For a power-of-two group the division only lowers the exponent: the same numbers as "avg"
+    (barring subnormals)."""
+    if not is_low_precision(buffer.dtype):
+        return "avg"
+    buffer /= dist.get_world_size(group)
+    return "sum"
 
 
 def flatten(arrays):

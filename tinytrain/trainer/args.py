@@ -9,6 +9,7 @@ import argparse
 import importlib
 import math
 
+from tinytrain.backend import PRECISIONS
 from tinytrain.nn import GPT, GPTConfig
 from tinytrain.nn.recompute import MODES as RECOMPUTE_MODES
 
@@ -143,6 +144,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="none",
         help="activation recomputation in backward: none, selective (each attention core: drops the "
         "T x T probabilities), full (each block: keeps only its input); any layout, the same numbers",
+    )
+    opt.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="parameters, activations and gradients in float32, bfloat16 or float16 (fp32 master weights and "
+        "optimizer state; fp16 with dynamic loss scaling); a run may resume in another precision",
     )
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.add_argument(

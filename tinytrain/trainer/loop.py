@@ -22,11 +22,12 @@ flags, the data (its characters: a checkpoint keeps them), --optimizer, --seed, 
 --weight-decay, --grad-clip, --dropout and the MoE loss flags must be the checkpoint's; --steps,
 --lr, --min-lr and --warmup may change only where no step still to come gets another learning rate
 (so a constant rate, --warmup 0 and --min-lr equal to --lr, can be extended). The layout flags,
---out, --eval-* and --ckpt-every may change.
+--precision (a checkpoint holds float32 master weights), --out, --eval-* and --ckpt-every may change.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -37,12 +38,14 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy
+
 from tinytrain import checkpoint
 from tinytrain import random as _random
-from tinytrain.autograd import no_grad
+from tinytrain.autograd import loss_scaling, no_grad
 from tinytrain.backend import device
 from tinytrain.data import AdditionDataset, dataset_change, load_dataset
-from tinytrain.optim import SGD, AdamW, WarmupCosine
+from tinytrain.optim import SGD, AdamW, LossScaler, WarmupCosine
 from tinytrain.trainer.args import (
     add_arguments,
     build_model,
@@ -149,6 +152,7 @@ def _train(args, out: Path) -> int:
     model = build_model(args, dataset)
     runner = make_runner(model, plan_of(args), args.batch_size)
     optimizer, schedule = build_optimizer(args, runner.parameters())
+    scaler = LossScaler() if args.precision == "fp16" else None  # bf16 has fp32's range: no scaling
     quiet = args.quiet or not runner.is_main
     ckpt = out / "ckpt"
     metrics = {
@@ -162,7 +166,7 @@ def _train(args, out: Path) -> int:
     }
     start_step = 0
     if args.resume:
-        start_step, metrics["steps"] = resume(ckpt, runner, model, optimizer, schedule, args)
+        start_step, metrics["steps"] = resume(ckpt, runner, model, optimizer, schedule, args, scaler)
         if start_step >= args.steps and not quiet:
             print(f"checkpoint is at step {start_step}; nothing to do for --steps {args.steps}", file=sys.stderr)
 
@@ -180,17 +184,23 @@ def _train(args, out: Path) -> int:
     with Interrupts(announce=runner.is_main) as interrupts:
         for step in range(start_step + 1, args.steps + 1):
             t0 = time.perf_counter()
-            loss_value, grad_norm, lr = train_step(runner, optimizer, schedule, dataset, args, step)
+            scale = scaler.scale if scaler is not None else None
+            loss_value, grad_norm, lr = train_step(runner, optimizer, schedule, dataset, args, step, scaler)
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss became {loss_value} at step {step}; lower --lr or enable --grad-clip")
             dt = time.perf_counter() - t0
             record = {"step": step, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_per_step / dt}
             if grad_norm is not None:
                 record["grad_norm"] = grad_norm
+            if scaler is not None:  # fp16: the loss scale this step used; an overflow skipped the update
+                record["loss_scale"] = scale
+                if scaler.skipped:
+                    record["skipped"] = True
             moe = runner.step_stats()  # with experts: load per expert, dropped share, aux loss
             if moe:
                 record["moe"] = moe
             extra = moe_line(moe) if moe else ""
+            extra += f" skipped: inf/NaN gradients at loss scale {scale:g}" if record.get("skipped") else ""
             if step % args.eval_every == 0 or step == args.steps:
                 runner.share_model()
                 if runner.is_main:
@@ -207,7 +217,7 @@ def _train(args, out: Path) -> int:
             stop = runner.vote(interrupts.signal or 0)
             if step % args.ckpt_every == 0 or step == args.steps or stop:
                 try:
-                    save(runner, ckpt, step, optimizer, metrics, args, model)
+                    save(runner, ckpt, step, optimizer, metrics, args, model, scaler)
                 except BaseException:
                     if runner.is_main:  # the steps done are not lost with the checkpoint
                         keep_metrics(out, metrics)
@@ -230,24 +240,37 @@ def _train(args, out: Path) -> int:
     return 0
 
 
-def train_step(runner, optimizer, schedule, dataset, args, step: int) -> tuple[float, float | None, float]:
+def train_step(runner, optimizer, schedule, dataset, args, step: int, scaler=None) -> tuple[float, float | None, float]:
     """One step of the loop on this rank: the batch and dropout masks of (seed, step), forward and
     backward, gradient clipping, the optimizer's update, the LR schedule. Returns (the batch's mean
     loss, the gradient norm before clipping or None without --grad-clip, the rate this step used).
-    ``tinytrain bench scaling`` times exactly this."""
+    ``tinytrain bench scaling`` times exactly this.
+
+    ``scaler`` (fp16, ``optim.LossScaler``): backward starts from the loss scale S, so gradients are
+    S times the loss's; an inf or NaN in any rank's gradients skips the update (the scale halves, the
+    batch and its learning rate are used up); else clipping compares the scaled norm with S times
+    --grad-clip, and the optimizer divides the gradients by S in float32."""
     _random.manual_seed((args.seed, step))  # dropout masks depend on (seed, step, site) only
     x, y = dataset.batch("train", args.batch_size, seed=args.seed, step=step)
     optimizer.zero_grad()
-    with _trace_step(step):
+    scale = scaler.scale if scaler is not None else 1.0
+    # fp16: a gradient overflowing is what the scaler handles (below), not worth NumPy's warning
+    quiet = numpy.errstate(over="ignore", invalid="ignore") if scaler is not None else contextlib.nullcontext()
+    with _trace_step(step), loss_scaling(scale), quiet:
         loss_value = runner.forward_backward(x, y)
-    grad_norm = runner.clip_gradients(args.grad_clip) if args.grad_clip else None
     lr = optimizer.lr
+    if scaler is not None and not scaler.update(found_inf=runner.found_inf()):
+        runner.skip_step()
+        schedule.step()
+        return loss_value, None, lr
+    grad_norm = runner.clip_gradients(args.grad_clip * scale) / scale if args.grad_clip else None
+    optimizer.loss_scale = scale
     runner.step(optimizer)
     schedule.step()
     return loss_value, grad_norm, lr
 
 
-def save(runner, ckpt: Path, step: int, optimizer, metrics: dict, args, model) -> None:
+def save(runner, ckpt: Path, step: int, optimizer, metrics: dict, args, model, scaler=None) -> None:
     meta = {
         "step": step,
         "seed": args.seed,
@@ -258,6 +281,8 @@ def save(runner, ckpt: Path, step: int, optimizer, metrics: dict, args, model) -
     }
     if getattr(model, "dataset_meta", None):  # its vocabulary: `tinytrain sample` needs no text
         meta["dataset"] = model.dataset_meta
+    if scaler is not None:
+        meta["loss_scaler"] = scaler.state_dict()
     runner.save(ckpt, step, optimizer, meta)
 
 
@@ -409,8 +434,10 @@ def default_layout(args) -> None:
             )
 
 
-def resume(ckpt: Path, runner, model, optimizer, schedule, args) -> tuple[int, list]:
-    """Load the checkpoint (written by any layout) into this layout; return (step, metrics so far)."""
+def resume(ckpt: Path, runner, model, optimizer, schedule, args, scaler=None) -> tuple[int, list]:
+    """Load the checkpoint (written by any layout, in any --precision: its parameters are float32)
+    into this layout; return (step, metrics so far). An fp16 run continues the loss scale of an fp16
+    checkpoint; from another precision it starts afresh."""
     reader = checkpoint.Reader(ckpt)
     meta = reader.meta
     saved_args = dict(meta.get("args", {}))
@@ -452,6 +479,8 @@ def resume(ckpt: Path, runner, model, optimizer, schedule, args) -> tuple[int, l
     if note and runner.is_main:
         print(f"tinytrain: note: {note}", file=sys.stderr)
     runner.load(reader, optimizer)
+    if scaler is not None and "loss_scaler" in meta:
+        scaler.load_state_dict(meta["loss_scaler"])
     step = meta["step"]
     schedule.last_step = step
     optimizer.lr = schedule.lr_at(step + 1)

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from tinytrain import checkpoint
+from tinytrain.backend import precision_dtype
 from tinytrain.checkpoint import Placement
 from tinytrain.nn.moe import moe_step_stats
 from tinytrain.nn.recompute import apply_recompute
-from tinytrain.optim import clip_grad_norm_
+from tinytrain.optim import clip_grad_norm_, grads_finite
 
 
 @runtime_checkable
@@ -32,6 +33,10 @@ class Runner(Protocol):
     def clip_gradients(self, max_norm: float) -> float: ...  # by the global norm; returns it
 
     def step(self, optimizer) -> None: ...
+
+    def found_inf(self) -> bool: ...  # an inf or NaN in any rank's gradients (the same answer on every rank)
+
+    def skip_step(self) -> None: ...  # drop the gradients without an update (fp16: the loss scale overflowed)
 
     def share_model(self) -> None: ...  # the full current model in the serial GPT on every rank
 
@@ -72,6 +77,12 @@ class SerialRunner:
 
     def step(self, optimizer) -> None:
         optimizer.step()
+
+    def found_inf(self) -> bool:
+        return not grads_finite(p.grad for p in self.parameters())
+
+    def skip_step(self) -> None:
+        """Nothing to drop: the next step's zero_grad clears the gradients."""
 
     def share_model(self) -> None:
         """The model is whole already."""
@@ -134,6 +145,12 @@ class MeshRunner:
     def step(self, optimizer) -> None:
         self.last_memory = self.parallel.memory()  # gradients exist now: the peak of the step
         self.parallel.step(optimizer)
+
+    def found_inf(self) -> bool:
+        return self.parallel.found_inf()
+
+    def skip_step(self) -> None:
+        self.parallel.skip_step()
 
     def share_model(self) -> None:
         self.parallel.gather_model()
@@ -206,7 +223,8 @@ class MeshRunner:
             return
         zero = self.parallel.zero
         psi = sum(p.size for p in self.model.parameters() if p.requires_grad)
-        full = [4 * psi, 4 * psi, zero.optimizer_bytes_per_element() * psi]
+        size = precision_dtype(self.plan.precision).itemsize  # bytes per parameter: 4, or 2 (bf16, fp16)
+        full = [size * psi, size * psi, zero.optimizer_bytes_per_element() * psi]
 
         def mb(b):
             return f"{b / 2**20:9.3f}"
@@ -252,6 +270,7 @@ def make_runner(model, plan, batch_size: int):
     """The serial runner for one rank without parallel flags, else the mesh runner."""
     if plan.is_serial:
         plan.check(1, model.config, batch_size)
-        apply_recompute(model, plan.recompute)  # (a mesh applies it in hybrid.parallelize)
+        model.to(precision_dtype(plan.precision))  # (a mesh casts, and applies --recompute, in hybrid.parallelize)
+        apply_recompute(model, plan.recompute)
         return SerialRunner(model)
     return MeshRunner(model, plan, batch_size)

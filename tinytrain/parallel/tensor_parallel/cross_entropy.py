@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from tinytrain import distributed as dist
 from tinytrain.autograd import Function, Tensor
-from tinytrain.backend import xp
+from tinytrain.backend import is_low_precision, xp
 
 # --- 4.4 vocab-parallel cross-entropy --------------------------------------------------------------
 
@@ -71,6 +71,8 @@ class VocabParallelCrossEntropy(Function):
 def vocab_parallel_cross_entropy(logits, targets, group, vocab_start, ignore_index=-100, denominator=None):
     """Mean NLL of ``targets`` (over the non-ignored ones, or divided by ``denominator``)."""
     targets = xp.asarray(targets.data if isinstance(targets, Tensor) else targets)
+    if is_low_precision(logits.dtype):  # --precision bf16|fp16: the loss is a statistic, taken in float32
+        logits = logits.astype(xp.float32)
     return VocabParallelCrossEntropy.apply(
         logits, targets, group=group, vocab_start=vocab_start, ignore_index=ignore_index, denominator=denominator
     )
