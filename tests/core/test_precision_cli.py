@@ -4,6 +4,7 @@ low-precision run resumes bit for bit, and a run resumes in another precision fr
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy
@@ -126,3 +127,36 @@ def test_a_run_resumes_in_another_precision_from_the_same_numbers(tmp_path, save
         assert state["exp_avg"].dtype == numpy.float32 and state["step"] == 3
     m = train(tmp_path, "--steps", "6", "--precision", resumed, "--resume", *constant)
     assert [s["step"] for s in m["steps"]] == [1, 2, 3, 4, 5, 6]
+
+
+@functools.cache  # fp32's, once for both precisions
+def first_steps_of_the_default_run(precision: str, steps: int) -> tuple[float, ...]:
+    """The losses of the first ``steps`` steps of ``tinytrain train --precision P`` (its 600-step schedule)."""
+    import argparse
+
+    from tinytrain.data import load_dataset
+    from tinytrain.trainer.args import add_arguments, build_model, check_args, plan_of
+    from tinytrain.trainer.loop import build_optimizer, train_step
+    from tinytrain.trainer.runners import make_runner
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--precision", precision])
+    check_args(args)
+    dataset = load_dataset(args.data, args.block_size, args.digits)
+    runner = make_runner(build_model(args, dataset), plan_of(args), args.batch_size)
+    optimizer, schedule = build_optimizer(args, runner.parameters())
+    scaler = LossScaler() if precision == "fp16" else None
+    return tuple(train_step(runner, optimizer, schedule, dataset, args, s, scaler)[0] for s in range(1, steps + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", LOW)
+def test_the_default_run_in_low_precision_stays_near_fp32_for_its_first_100_steps(precision):
+    """Measured over the first 100 steps of the default run, seeds 0-2: max |Δloss| bf16 0.0068, fp16
+    0.0024. Later the runs part as any float32 reordering does (the README): each leaves the loss
+    plateau near 0.8 at its own step, and with the default seed bf16 had not by step 600 (docs/design.md)."""
+    fp32, low = first_steps_of_the_default_run("fp32", 100), first_steps_of_the_default_run(precision, 100)
+    gap = max(abs(a - b) for a, b in zip(low, fp32))
+    assert gap < {"bf16": 0.02, "fp16": 0.01}[precision], f"--precision {precision}: {gap:.4f} from fp32"
+    assert fp32[-1] < fp32[0] - 0.8

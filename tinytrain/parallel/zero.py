@@ -30,6 +30,10 @@ divides every parameter's size and otherwise exceeds Ψ/N by less than the numbe
     unsharded 16Ψ      stage 1: 8Ψ + 8Ψ_r      stage 2: 4Ψ + 12Ψ_r      stage 3: 16Ψ_r
     (+ stage 3 holds the parameters of the layer it is running: reported apart as "gathered")
 
+With 16-bit parameters and gradients (``--precision fp16``) AdamW's state is float32 master weights,
+m and v (``tinytrain.optim``): 2Ψ + 2Ψ + 12Ψ unsharded, and the master is sharded with the moments
+(stage 1: 4Ψ + 12Ψ_r); every byte on the wire is 2 instead of 4.
+
 Bytes sent per rank and step (ring; exactly when N divides sizes): DDP's all-reduce 2(N-1)/N·4Ψ;
 stages 1 and 2 send the same as reduce-scatter + all-gather; stage 3 gathers twice, 3(N-1)/N·4Ψ,
 1.5x (a tied weight is gathered once per layer that uses it, so a little more).
