@@ -328,26 +328,29 @@ def pytest_runtest_makereport(item, call):
 # --- agreeing on the outcome -----------------------------------------------------------------------
 
 
-def _summary(reports, takes_part: bool) -> list[tuple]:
-    """What this rank tells rank 0: its failed phases as (when, crash message, full text)."""
+def _summary(reports, takes_part: bool) -> tuple[list[tuple], tuple | None]:
+    """What this rank tells rank 0: its failed phases as (when, crash message, full text), and its
+    skip (pytest's (path, line, reason)) if it skipped the test itself."""
     if not takes_part:
-        return []
+        return [], None
     out = []
     for rep in reports:
         if rep.failed:
             out.append((rep.when, _crash_message_of(rep.longrepr), str(rep.longrepr)[-6000:]))
-    return out
+    skip = next((tuple(r.longrepr) for r in reports if r.skipped and isinstance(r.longrepr, tuple)), None)
+    return out, skip
 
 
 def _agree(item, reports, takes_part: bool) -> None:
     """Gather every rank's failures on rank 0, send the list to all, and fold them into ``reports``."""
     mine = _summary(reports, takes_part)
     everyone = _gather_to_all(mine, f"the other ranks to finish {item.nodeid}")
-    failures = [(r,) + f for r, fails in enumerate(everyone) for f in fails]
+    failures = [(r,) + f for r, (fails, _) in enumerate(everyone) for f in fails]
     if failures and all(_is_echo(f[2]) for f in failures):
         # Only PeerFailures and no rank really failed: the rank that left first skipped (e.g. a
-        # TODO stub). The test is skipped, not failed.
-        _skip_echoes(reports)
+        # TODO stub). The test is skipped, not failed, and with that rank's reason: a rank that was
+        # still in a collective with it when the notice came never reached the stub itself.
+        _skip_echoes(reports, next((skip for _, skip in everyone if skip), None))
         return
     others = [f for f in failures if f[0] != _rank]
     if others:
@@ -357,12 +360,12 @@ def _agree(item, reports, takes_part: bool) -> None:
             rep.longrepr = RankFailures(rep.longrepr, [])
 
 
-def _skip_echoes(reports) -> None:
+def _skip_echoes(reports, skip: tuple | None) -> None:
     for rep in reports:
         if rep.failed:
             path, lineno, _ = rep.location
             rep.outcome = "skipped"
-            rep.longrepr = (str(path), (lineno or 0) + 1, "Skipped: another rank skipped this test first")
+            rep.longrepr = skip or (str(path), (lineno or 0) + 1, "Skipped: another rank skipped this test first")
 
 
 def _gather_to_all(mine, what: str, limit: float | None = None) -> list:
