@@ -262,9 +262,17 @@ def precision_dtype(name: str):
 def is_low_precision(dtype) -> bool:
     """True for the 16-bit floats of ``--precision`` (float16, bfloat16): arrays of them are
     computed on in float32 where NumPy would be slow or inexact (``tinytrain.autograd.ops``), and
-    an optimizer keeps float32 master weights for parameters of them (``tinytrain.optim``)."""
-    dtype = numpy.dtype(dtype)
-    return dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16")
+    an optimizer keeps float32 master weights for parameters of them (``tinytrain.optim``).
+
+    Asked several times by every op, fp32 runs included: the answer per dtype is kept."""
+    known = _low_precision.get(dtype)
+    if known is None:
+        d = numpy.dtype(dtype)
+        known = _low_precision[dtype] = d.itemsize == 2 and (d.kind == "f" or d.name == "bfloat16")
+    return known
+
+
+_low_precision: dict = {}  # dtype (or dtype-like) -> is_low_precision
 
 
 def is_array(obj) -> bool:
