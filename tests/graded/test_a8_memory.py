@@ -88,8 +88,11 @@ def run(checkpoint, seg, inputs, use, seed):
     random.manual_seed(seed + 1)  # another seed at backward time: the recompute must not see it
     loss = (out * out).sum()
     loss.backward()
-    grads = [host(t.grad) for t in inputs if isinstance(t, Tensor) and t.requires_grad]
-    return loss.item(), grads, [host(p.grad) for p in seg.params]
+    wanted = [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
+    for i, t in enumerate([*wanted, *seg.params]):
+        kind = f"Tensor input {i}" if i < len(wanted) else f"parameter {i - len(wanted)}"
+        assert t.grad is not None, f"{kind} got no gradient ({'checkpoint' if use else 'plain call'}, seed {seed})"
+    return loss.item(), [host(t.grad) for t in wanted], [host(p.grad) for p in seg.params]
 
 
 def assert_same(plain, kept, what):
