@@ -239,11 +239,15 @@ def test_without_grad_mode_it_is_a_plain_call(impl):
     width = int(rng.integers(2, 6))
     seg = Segment(rng, width, p=0.0)
     x, bias, y = leaf(rng, (2, width)), leaf(rng, (3 * width,)), leaf(rng, (2, width))
+    recorded = impl.memory.checkpoint(seg, x, bias, 1.0, y)  # in grad mode: a step of the graph
     with no_grad():
         want = seg(x, bias, 1.0, y)
         got = impl.memory.checkpoint(seg, x, bias, 1.0, y)
     assert np.array_equal(host(got.data), host(want.data)) and not got.requires_grad, (
         f"under no_grad() checkpoint(fn, ...) is fn(...) (seed {seed})"
+    )
+    assert np.array_equal(host(recorded.data), host(want.data)) and recorded.requires_grad, (
+        f"in grad mode checkpoint's output has fn's values and requires grad (seed {seed})"
     )
 
 
