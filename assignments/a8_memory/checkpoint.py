@@ -98,7 +98,7 @@ class _Segment:
     def run(self, ctx, arrays, grad: bool):
         """``fn`` on ``arrays``: a Tensor argument as a new Tensor (a leaf that requires grad where the
         argument did, in the recompute), a constant as it is."""
-        raise NotImplementedError("TODO 8.1: Call the segment's function on its arguments as given: each tensor argument as a new tensor over the same array, asking for a gradient in a recompute exactly where the original did; others unchanged. Return the arguments used, the result and the outputs as a tuple; refuse an output that is not a tensor.")
+        raise NotImplementedError("TODO 8.1: Call the segment's function on its arguments: each tensor argument as a new tensor over the same array, asking for a gradient in a recompute exactly where the original did; others as given. Return the arguments used, the result and the outputs as a tuple; refuse an output that is not a tensor.")
 
 
 class _Recompute(Function):

@@ -94,7 +94,7 @@ class _Segment:
     def run(self, ctx, arrays, grad: bool):
         """``fn`` on ``arrays``: a Tensor argument as a new Tensor (a leaf that requires grad where the
         argument did, in the recompute), a constant as it is."""
-        # BEGIN SOLUTION 8.1 "Call the segment's function on its arguments as given: each tensor argument as a new tensor over the same array, asking for a gradient in a recompute exactly where the original did; others unchanged. Return the arguments used, the result and the outputs as a tuple; refuse an output that is not a tensor." full="ctx.inputs[1:] holds None for a constant argument; ctx.needs_input_grad[1:] says which Tensor arguments need a gradient. Build args from arrays, call self.fn(*args), and check every output isinstance Tensor (TypeError naming the output)."
+        # BEGIN SOLUTION 8.1 "Call the segment's function on its arguments: each tensor argument as a new tensor over the same array, asking for a gradient in a recompute exactly where the original did; others as given. Return the arguments used, the result and the outputs as a tuple; refuse an output that is not a tensor." full="ctx.inputs[1:] holds None for a constant argument; ctx.needs_input_grad[1:] says which Tensor arguments need a gradient. Build args from arrays, call self.fn(*args), and check every output isinstance Tensor (TypeError naming the output)."
         args = [
             a if inp is None else Tensor(a, requires_grad=grad and need)
             for a, inp, need in zip(arrays, ctx.inputs[1:], ctx.needs_input_grad[1:])
