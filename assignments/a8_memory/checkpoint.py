@@ -110,7 +110,7 @@ class _Recompute(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 8.1: In the backward context: compute the outputs again from the kept inputs, building a graph this time, under the randomness settings the first pass saw; push the gradients the outputs received through it in one pass; give one gradient per forward input (none for the anchor or a constant); forget the received ones.")
+        raise NotImplementedError("TODO 8.1: In the backward context: compute the outputs again from the kept inputs, with a graph this time and the first pass's randomness settings; push the outputs' gradients through it in one pass; return one gradient per forward input (none for the anchor or a constant); forget the received ones.")
 
 
 class _Output(Function):
