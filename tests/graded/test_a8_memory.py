@@ -267,12 +267,16 @@ def test_grads_finite_finds_one_bad_entry_anywhere(impl, bad):
     arrays = [a if a is None else xp.asarray(a) for a in arrays]
     assert impl.memory.grads_finite(arrays) is True, f"finite arrays (and None, an empty one) (seed {seed})"
     assert impl.memory.grads_finite([]) is True, f"no arrays at all: nothing overflowed (seed {seed})"
-    which = int(rng.integers(2, len(arrays)))
-    at = int(rng.integers(0, arrays[which].size))
-    arrays[which][at] = bad
-    assert impl.memory.grads_finite(arrays) is False, (
-        f"{bad} at entry {at} of array {which} ({arrays[which].dtype}) was not found (seed {seed})"
-    )
+    arrays.append(xp.asarray(rng.standard_normal(int(rng.integers(2, 9))), dtype=np.float32))
+    # a drawn entry of a drawn array, and (fixed) the last entry of the last array after many
+    for which, at in ((int(rng.integers(2, len(arrays))), None), (len(arrays) - 1, arrays[-1].size - 1)):
+        at = int(rng.integers(0, arrays[which].size)) if at is None else at
+        kept = arrays[which][at].copy()
+        arrays[which][at] = bad
+        assert impl.memory.grads_finite(arrays) is False, (
+            f"{bad} at entry {at} of array {which} of {len(arrays)} ({arrays[which].dtype}) was not found (seed {seed})"
+        )
+        arrays[which][at] = kept
     with np.errstate(over="ignore"):
         overflowed = (xp.asarray([70000.0], dtype=np.float32)).astype(np.float16)  # beyond float16's 65504
     assert impl.memory.grads_finite([overflowed]) is False, f"a float16 overflow (70000: inf) is missed (seed {seed})"
