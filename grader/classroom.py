@@ -89,9 +89,10 @@ rules:
 README_SECTION = f"""
 ## On GitHub
 
-The copy grades itself on every push: `{WORKFLOW}` runs `{SCRIPT}` (install, `python -m grader`)
-and shows the score table on the run's summary page (the Actions tab, the run, "Summary"), with
-`results.json` and `junit.xml` as the run's artifact `grader-results`. The same script runs here:
+The copy grades itself on every push: `{WORKFLOW}` runs `{SCRIPT}`
+(install, `python -m grader`) and shows the score table on the run's summary page (the Actions
+tab, the run, "Summary"), with `results.json` and `junit.xml` as the run's artifact
+`grader-results`. The same script runs here:
 
 ```bash
 bash {SCRIPT} --tasks '1.*'            # install into .venv, grade, the table in out/grader/summary.md
