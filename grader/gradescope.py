@@ -126,30 +126,38 @@ def take_submission(submission: Path, copy: Path, rubric, tasks: list[str] | Non
 
 
 def run(root: Path, tasks: list[str] | None = None) -> int:
-    """Grade ``root/submission`` in this copy into ``root/results/results.json`` (which it always writes)."""
+    """Grade ``root/submission`` in this copy into ``root/results/results.json``, which it always
+    writes: Gradescope shows nothing without one, so a failure is a score of 0 in words."""
     start = time.monotonic()
-    copy, results_dir = ROOT, root / "results"
-    results_dir.mkdir(parents=True, exist_ok=True)
-    rubric = load_rubric()
-    taken, missing = take_submission(root / "submission", copy, rubric, tasks)
+    path = root / "results" / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        results = grade_submission(root / "submission", path.parent, tasks)
+    except Exception as exc:  # whatever it was, the student sees a result that says it
+        results = {"score": 0.0, "output": f"The autograder failed: {type(exc).__name__}: {exc}", "tests": []}
+    results["execution_time"] = round(time.monotonic() - start)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def grade_submission(submission: Path, results_dir: Path, tasks: list[str] | None) -> dict:
+    """The submission's files into this copy, graded; Gradescope's results, the files named in its output."""
+    taken, missing = take_submission(submission, ROOT, load_rubric(), tasks)
     note = f"Graded from your submission: {', '.join(taken) or 'no assignment file'}."
     if missing:
         note += f"\nNot in your submission (graded as the TODO stubs): {', '.join(missing)}."
     cmd = [sys.executable, "-m", "grader", "--out", str(results_dir), *(["--tasks", *tasks] if tasks else [])]
-    proc = subprocess.run(cmd, cwd=copy, env=mpi_environment(), capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_environment(), capture_output=True, text=True, check=False)
     print(proc.stdout + proc.stderr)  # Gradescope keeps it in results/stdout, for the instructor
-    path = results_dir / "results.json"
     try:
-        results = json.loads(path.read_text()) if proc.returncode == 0 else None
+        results = json.loads((results_dir / "results.json").read_text()) if proc.returncode == 0 else None
     except (OSError, ValueError):
         results = None
-    if results is None:  # Gradescope shows nothing without a results.json: say what went wrong
+    if results is None:
         tail = (proc.stdout + proc.stderr)[-3000:]
         results = {"score": 0.0, "output": f"The grader failed (exit {proc.returncode}):\n{tail}", "tests": []}
     results["output"] = "\n\n".join(x for x in (note, results.get("output", "")) if x)
-    results["execution_time"] = round(time.monotonic() - start)
-    path.write_text(json.dumps(results, indent=2) + "\n")
-    return 0
+    return results
 
 
 def main(out: str, tasks: list[str] | None, hints: str) -> int:

@@ -89,6 +89,17 @@ def test_a_solved_submission_scores_full_marks(autograder_zip, tmp_path):
     assert all(t["status"] == "passed" for t in results["tests"]), results
 
 
+def test_an_autograder_that_fails_still_leaves_a_results_json_that_says_why(autograder_zip, tmp_path):
+    """Gradescope shows nothing without results.json: an autograder that stops (here on a task
+    that does not exist) is a score of 0 with its words."""
+    root = unpack(autograder_zip, tmp_path / "autograder")
+    script = root / "run_autograder"
+    script.write_text(script.read_text().replace("--tasks 1.1 1.2 1.3 1.4 1.5", "--tasks 9.9"))
+    results, out = run_autograder(root)
+    assert results["score"] == 0 and results["tests"] == [], results
+    assert results["output"].startswith("The autograder failed: ValueError: --tasks 9.9 matches no task"), results
+
+
 def test_submitted_files_are_found_by_their_path_below_assignments(tmp_path):
     sub = tmp_path / "submission"
     repo = sub / "tinytrain-main"  # a repository uploaded in its folder
