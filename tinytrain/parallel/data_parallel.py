@@ -256,8 +256,8 @@ class ParameterServer(Wrapper):
         ...                   │  of all g_i, then │   ...
         worker N-1 ─push ────►┘  optimizer.step() └──pull W──► worker N-1
 
-    ``backward`` pushes (the server's ``.grad`` is then the whole batch's gradient: clip it there),
-    ``step`` updates on the server and pulls. The server also trains on its own rows, so the result
+    ``step`` pushes, updates on the server and pulls (``clip_grad_norm_`` pushes first, to clip the
+    whole batch's gradient where it is: on the server). The server also trains on its own rows, so the result
     equals the serial run. Only the server ever creates optimizer state. Its link carries (N-1)
     gradients in and (N-1) copies of the parameters out per step, 2(N-1)·Ψ: the bottleneck that
     all-reduce removes.
@@ -270,21 +270,30 @@ class ParameterServer(Wrapper):
         self.params = trainable(module)
         self._pull()  # everyone starts from the server's parameters
         self.moved, self.steps = 0, 0  # bytes this rank sent and received for it since, and its steps
+        self.pushed = False  # clip_grad_norm_ pushed this step's gradients already
 
     @property
     def workers(self) -> list[int]:
         return [r for r in range(self.world_size) if r != self.server]
 
-    def after_backward(self) -> None:
-        """Once backward has finished: push, and the server holds the average of every rank's gradient."""
-        count_bytes(self, self._push_and_average, "send", "recv")
-
     def step(self) -> None:
-        """Update on the server, pull parameters (replaces ``optimizer.step()``, after ``backward``)."""
+        """Push gradients, update on the server, pull parameters (replaces ``optimizer.step()``).
+        Gradients accumulate locally until then: several backward passes push once."""
+        if not self.pushed:
+            count_bytes(self, self._push_and_average, "send", "recv")
         if self.rank == self.server:
             self.optimizer.step()
         count_bytes(self, self._pull, "send", "recv")
-        self.steps += 1
+        self.pushed, self.steps = False, self.steps + 1
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the whole batch's gradient, which only the server has: push now (``step`` then does
+        not push again). Returns its norm before clipping on the server, a worker's own elsewhere."""
+        count_bytes(self, self._push_and_average, "send", "recv")
+        self.pushed = True
+        if self.rank == self.server:
+            return clip_grad_norm_(self.params, max_norm)
+        return clip_grad_norm_(self.params, 0.0)  # (max_norm 0: measures, clips nothing)
 
     def _push_and_average(self) -> None:
         # BEGIN SOLUTION 2.4 "Gradients from all the others are pushed to the central process, which adds them to its own in a fixed order (not arrival order) and averages: its gradients are then the whole batch's." full="Workers send their flattened gradients to the server (tag _PUSH); the server receives one buffer per worker, adds them to its own in rank order, divides by the world size and writes the result into .grad."
@@ -351,16 +360,18 @@ class AsyncParameterServer(ParameterServer):
             raise ValueError(f"order must be 'arrival' or 'seeded', got {order!r}")
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness must be 0 or more (or None: unbounded), got {max_staleness}")
-        super().__init__(module, optimizer, server, group)
+        Wrapper.__init__(self, module)  # (not the synchronous server's: it needs no task 2.4 to start)
+        self.optimizer, self.server, self.group = optimizer, server, group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.params = trainable(module)
+        broadcast_parameters(module, src=server, group=group)  # everyone starts from the server's parameters
+        self.moved = 0  # bytes this rank sent and received for it
         self.max_staleness, self.order, self.seed = max_staleness, order, seed
         self.max_norm = None  # clip every update's gradient to this norm (set by the runner)
         self.version = 0  # updates the server has applied
         self.pulled = [0] * self.world_size  # the version each rank's parameters have (server's view)
         self.staleness: list[int] = []  # versions behind, of every gradient applied, in order
         self.steps = 0
-
-    def after_backward(self) -> None:
-        """Nothing yet: the gradients travel in ``step``, one worker at a time."""
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Remember ``max_norm`` for the server's updates; returns this rank's own gradient norm."""
@@ -415,10 +426,10 @@ class AsyncParameterServer(ParameterServer):
 
     def _apply_if_allowed(self, arrived: dict, replies: list) -> None:
         # BEGIN SOLUTION 2.5 "Hold the gradients back while applying them would leave the next gradient of a rank that has not pushed more than the bound behind; otherwise average what arrived (in rank order) into one update, record how stale each was, step, and send each worker whose gradient was in it the new parameters." full="Return if max_staleness is set and some worker not in arrived has version + 1 - pulled[w] > max_staleness. Else sum the arrived buffers in rank order, divide by their count, write into .grad, clip to max_norm if set, optimizer.step(), append version - pulled[r] for each arrived rank to staleness, add 1 to version; isend the flat parameters (tag _ASYNC_PULL) to every arrived worker, keeping the handles in replies; set their pulled to version; clear arrived."
-        waiting = [w for w in self.workers if w not in arrived]
+        others = [w for w in self.workers if w not in arrived]  # their next gradient is of pulled[w]
         k = self.max_staleness
-        if k is not None and any(self.version + 1 - self.pulled[w] > k for w in waiting):
-            return  # one more update would leave a worker that has not pushed too far behind
+        if k is not None and any(self.version + 1 - self.pulled[w] > k for w in others):
+            return  # one more update would leave another worker's next gradient too far behind
         ranks = sorted(arrived)
         total = arrived[ranks[0]].copy()
         for r in ranks[1:]:  # rank order: the sum does not depend on arrival order

@@ -265,7 +265,11 @@ class ParallelModel:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the global norm of the serial model's gradient: squares summed over every group
         that holds different numbers (ZeRO pieces over DP, TP shards over TP, stages over PP); a
-        weight replicated over TP, or tied between first and last stage, counts once."""
+        weight replicated over TP, or tied between first and last stage, counts once. (A parameter
+        server clips on the server: the synchronous one the whole batch's gradient, the asynchronous
+        one each update it applies; local SGD clips each replica's own.)"""
+        if self.plan.dp_algo in ("ps", "async-ps"):
+            return self.dp.clip_grad_norm_(max_norm)
         tied = {id(p) for p in self.stage.tied} if self.stage is not None and not self.stage.is_first else set()
         sq = xp.zeros(3, dtype=xp.float64)  # [TP-sharded, replicated, an expert of this EP rank]
         for p, grad in self._local_gradients():

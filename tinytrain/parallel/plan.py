@@ -172,10 +172,10 @@ class Plan:
                 f"--dp-algo {algo} replaces plain data parallel's gradient all-reduce and composes with --dp alone, "
                 f"not with {other[0]}: drop {other[0]}, or use --dp-algo allreduce"
             )
-        if self.dp < 2:
-            raise ValueError(f"--dp-algo {algo} needs 2 or more replicas: run `mpirun -n N tinytrain train --dp N ...`")
         if self.precision != "fp32":
             raise ValueError(f"--dp-algo {algo} is built for --precision fp32 here: drop --precision, or use allreduce")
+        if self.dp < 2:
+            raise ValueError(f"--dp-algo {algo} needs 2 or more replicas: run `mpirun -n N tinytrain train --dp N ...`")
 
     def check_context_parallel(self, config) -> None:
         if self.cp_algo not in ("ring", "alltoall") or self.cp_split not in ("zigzag", "contiguous"):

@@ -1,0 +1,259 @@
+"""Data parallel without lock-step (``--dp-algo``): the parameter server, asynchronous or not, and
+local SGD / DiLoCo, against the synchronous runs they must equal and the byte formulas.
+
+* the asynchronous server with staleness bound 0 is the synchronous server, bit for bit, in
+  either serving order; unbounded and seeded, its parameters are those of a one-process replay of
+  the same schedule and its staleness is what the schedule implies; a bound k is never exceeded;
+* a worker that dies ends the server's wait in seconds, naming it;
+* local SGD with H = 1 and the plain outer SGD (lr 1) is synchronous data parallel; DiLoCo's outer
+  step is Nesterov momentum on the averaged delta; the bytes per step fall by H exactly;
+* ``tinytrain train --dp-algo ...`` prints the bytes per step, equal to the formula the test
+  computes, and the parameter server trains the serial run's curve.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+import parallel_cases
+import pytest
+from parallel_cases import global_batch, make_optimizer, tiny_gpt
+
+from tinytrain import distributed as dist
+from tinytrain import functional as F
+from tinytrain.backend import to_host, xp
+from tinytrain.cli import main
+from tinytrain.data import AdditionDataset, shard_rows
+from tinytrain.nn import GPT, GPTConfig
+from tinytrain.parallel.data_parallel import AsyncParameterServer, LocalSGD, NaiveDDP, ParameterServer, flatten
+
+ROWS = 4  # rows per rank
+
+
+def loss_of(model, step, rank, n, seed=0):
+    x, y = global_batch(step, ROWS * n, seed)
+    return F.cross_entropy(model(xp.asarray(shard_rows(x, rank, n))), xp.asarray(shard_rows(y, rank, n)))
+
+
+def train(wrapper, model, steps, step=None, max_norm=None):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for t in range(steps):
+        for p in model.parameters():
+            p.grad = None
+        wrapper.backward(loss_of(wrapper, t, rank, n))
+        if max_norm is not None:  # the asynchronous server clips each update it applies
+            wrapper.clip_grad_norm_(max_norm)
+        (step or wrapper.step)()
+
+
+def params(model):
+    return [to_host(p.data).copy() for p in model.parameters()]
+
+
+# --- the asynchronous parameter server -------------------------------------------------------------
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("order", ["arrival", "seeded"])
+def test_async_server_with_staleness_bound_0_is_the_synchronous_server_bit_for_bit(order):
+    """AdamW (not linear in the gradient) and clipping on the server: the same numbers exactly."""
+    sync_model = tiny_gpt()
+    sync = ParameterServer(sync_model, make_optimizer("adamw", sync_model))
+    for t in range(3):
+        for p in sync_model.parameters():
+            p.grad = None
+        sync.backward(loss_of(sync, t, dist.get_rank(), 4))
+        sync.clip_grad_norm_(0.5)  # pushes; the server clips the whole batch's gradient
+        sync.step()
+    model = tiny_gpt()
+    server = AsyncParameterServer(model, make_optimizer("adamw", model), max_staleness=0, order=order, seed=3)
+    train(server, model, 3, max_norm=0.5)
+    for got, want in zip(params(model), params(sync_model)):
+        assert np.array_equal(got, want), "bound 0 must be the synchronous server exactly"
+    if server.rank == server.server:
+        assert server.staleness == [0] * 12 and server.version == 3, (server.staleness, server.version)
+
+
+def replay(steps: int, n: int, seed: int):
+    """One process plays the seeded asynchronous schedule: the server's own gradient, then each
+    worker's (computed on the parameters it last pulled) in the order drawn from (seed, step)."""
+    model = tiny_gpt()
+    opt = make_optimizer("sgd", model)
+    pulled = {w: params(model) for w in range(1, n)}  # each worker's parameters
+    version, seen, staleness = 0, {w: 0 for w in range(n)}, []
+
+    def apply(rank, weights, t):
+        nonlocal version
+        current = params(model)
+        for p, w in zip(model.parameters(), weights):
+            p.data[...] = xp.asarray(w)
+            p.grad = None
+        loss_of(model, t, rank, n).backward()
+        grads = [p.grad.copy() for p in model.parameters()]
+        for p, c, g in zip(model.parameters(), current, grads):
+            p.data[...] = xp.asarray(c)
+            p.grad = g
+        opt.step()
+        staleness.append(version - seen[rank])
+        version += 1
+        seen[rank] = version
+
+    for t in range(steps):
+        seen[0] = version
+        apply(0, params(model), t)
+        for w in np.random.default_rng([seed, t + 1]).permutation(list(range(1, n))).tolist():
+            apply(w, pulled[w], t)
+            pulled[w] = params(model)
+    return params(model), staleness
+
+
+@pytest.mark.world_size(4)
+def test_seeded_async_server_replays_its_schedule_and_measures_staleness():
+    model = tiny_gpt()
+    server = AsyncParameterServer(model, make_optimizer("sgd", model), order="seeded", seed=7)
+    train(server, model, 3)
+    if server.rank != server.server:
+        return
+    want, staleness = replay(3, 4, seed=7)
+    assert server.staleness == staleness, (server.staleness, staleness)
+    assert max(staleness) > 1  # asynchrony happened: some gradient was several updates old
+    for got, expected in zip(params(model), want):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("bound", [1, 2])
+def test_a_staleness_bound_is_never_exceeded_and_averages_what_waits(bound):
+    model = tiny_gpt()
+    server = AsyncParameterServer(model, make_optimizer("sgd", model), max_staleness=bound, order="seeded", seed=1)
+    with dist.comm_stats() as stats:
+        train(server, model, 4)
+    if server.rank == server.server:
+        assert len(server.staleness) == 16 and max(server.staleness) == bound, server.staleness
+        assert 4 < server.version < 16  # some updates averaged several gradients, some did not
+        assert stats.sent("send") + stats.recv("recv") == 4 * 2 * 3 * 4 * sum(p.size for p in model.parameters())
+
+
+@pytest.mark.world_size(4)
+def test_a_dead_worker_ends_the_servers_wait_naming_it(monkeypatch):
+    monkeypatch.setenv("TINYTRAIN_TIMEOUT", "30")
+    model = tiny_gpt()  # bound 0: every worker waits for its reply until all gradients are in
+    server = AsyncParameterServer(model, make_optimizer("sgd", model), max_staleness=0)
+    train(server, model, 1)
+    if dist.get_rank() == 2:
+        time.sleep(0.1)
+        dist.report_failure("worker 2 died on purpose")
+        return
+    start = time.monotonic()
+    with pytest.raises(dist.PeerFailure, match="rank 2 failed.*died on purpose") as err:
+        train(server, model, 1)
+    if dist.get_rank() == 0:
+        assert "asynchronous parameter server" in str(err.value) and "recv from rank 2" in str(err.value)
+    assert time.monotonic() - start < 5  # far below the 30 s deadline
+
+
+# --- local SGD and DiLoCo ------------------------------------------------------------------------
+
+
+@pytest.mark.world_size(4)
+def test_local_sgd_with_one_local_step_is_synchronous_data_parallel():
+    model, ref = tiny_gpt(), tiny_gpt()
+    opt, ref_opt = make_optimizer("sgd", model), make_optimizer("sgd", ref)  # momentum, weight decay
+    local = LocalSGD(model, local_steps=1)
+    local.optimizer = opt
+    train(local, model, 3)
+    train(NaiveDDP(ref), ref, 3, step=ref_opt.step)
+    for got, want in zip(params(model), params(ref)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.world_size(4)
+def test_diloco_outer_step_is_nesterov_on_the_averaged_delta():
+    model = tiny_gpt()
+    diloco = LocalSGD.diloco(model, local_steps=2)
+    diloco.optimizer = make_optimizer("adamw", model)
+    start, momentum = to_host(flatten([p.data for p in model.parameters()])), 0.0
+    for outer in range(2):
+        train(diloco, model, 1)  # the first inner step: no communication
+        diloco.optimizer.step()  # the second, by hand, to see the replicas before the average
+        diloco.inner_steps += 1
+        mine = to_host(flatten([p.data for p in model.parameters()]))
+        delta = (start - dist.all_gather(mine[None, :])).mean(axis=0)
+        diloco.outer_step()
+        momentum = 0.9 * momentum + delta
+        start = start - 0.7 * (delta + 0.9 * momentum)
+        got = to_host(flatten([p.data for p in model.parameters()]))
+        np.testing.assert_allclose(got, start, rtol=1e-5, atol=1e-6, err_msg=f"outer step {outer + 1}")
+
+
+@pytest.mark.world_size(4)
+def test_local_sgd_bytes_per_step_fall_by_h():
+    psi_bytes = 4 * sum(p.size for p in tiny_gpt().parameters())
+    totals = {}
+    for h in (1, 2, 4):
+        model = tiny_gpt()
+        local = LocalSGD(model, local_steps=h)
+        local.optimizer = make_optimizer("sgd", model)
+        train(local, model, 4)
+        totals[h] = int(dist.all_reduce(np.array([local.moved], dtype=np.int64))[0])
+    for h, total in totals.items():  # every rank sends and receives within the ring: 2 · 2(N-1)·Ψ per average
+        assert total == (4 // h) * 2 * 2 * 3 * psi_bytes, (h, total)
+    assert totals[1] == 2 * totals[2] == 4 * totals[4]
+
+
+# --- tinytrain train --dp-algo ----------------------------------------------------------------------
+
+TINY = (
+    "--layers 2 --width 32 --heads 4 --batch-size 8 --steps 4 --eval-every 2 --eval-batches 1 --warmup 1 --quiet "
+    "--no-plot"
+).split()
+
+
+def psi_of_tiny() -> int:
+    task = AdditionDataset(2)
+    config = GPTConfig(vocab_size=task.vocab_size, block_size=task.block_size, n_layer=2, n_head=4, n_embd=32)
+    return sum(p.size for p in GPT(config).parameters())
+
+
+def printed_bytes(err: str) -> tuple[float, float]:
+    found = re.search(r"per step: ([\d,]+) measured over \d+ steps; formula [^=]*= ([\d,]+)", err)
+    assert found, err
+    return tuple(float(g.replace(",", "")) for g in found.groups())
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("algo", ["ps", "async-ps", "local-sgd --local-steps 2", "diloco --local-steps 4"])
+def test_the_cli_prints_bytes_per_step_equal_to_the_formula(tmp_path, capfd, algo):
+    out = parallel_cases.shared_dir(tmp_path) / "run"
+    assert main(["train", *TINY, "--dp", "4", "--dp-algo", *algo.split(), "--out", str(out)]) == 0
+    err = capfd.readouterr().err
+    if dist.get_rank() != 0:
+        return
+    measured, printed = printed_bytes(err)
+    psi_bytes, n = 4 * psi_of_tiny(), 4
+    h = int(algo.split()[-1]) if "local-steps" in algo else 1
+    want = 2 * (n - 1) * psi_bytes if algo.split()[0] in ("ps", "async-ps") else 2 * 2 * (n - 1) * psi_bytes / h
+    assert measured == printed == want, (err, want)
+    if algo == "async-ps":
+        assert re.search(r"staleness \(updates behind\) of the 16 gradients applied: 0:", err), err
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("algo", ["ps", "async-ps --max-staleness 0 --ps-order seeded"])
+def test_the_parameter_server_trains_the_serial_curve(tmp_path, algo):
+    """With dropout. (The asynchronous server's grad_norm is rank 0's own gradient's: not compared.)"""
+    from test_layouts import TINY as LAYOUT_TINY
+    from test_layouts import assert_on_serial_curve, metrics, serial_metrics
+
+    out = parallel_cases.shared_dir(tmp_path) / "run"
+    assert main(["train", *LAYOUT_TINY, "--dp", "4", "--dp-algo", *algo.split(), "--out", str(out)]) == 0
+    if dist.get_rank() != 0:
+        return
+    if algo == "ps":
+        assert_on_serial_curve(out, tmp_path)
+        return
+    got, want = metrics(out), serial_metrics(tmp_path)
+    np.testing.assert_allclose([s["loss"] for s in got["steps"]], [s["loss"] for s in want["steps"]], rtol=2e-5)
+    np.testing.assert_allclose(got["final"]["val_loss"], want["final"]["val_loss"], rtol=2e-5)
