@@ -68,6 +68,7 @@ from tinytrain import trace
 from tinytrain.autograd import Parameter
 from tinytrain.backend import xp
 from tinytrain.distributed import watchdog
+from tinytrain.nn import Embedding
 from tinytrain.optim import SGD, clip_grad_norm_
 from tinytrain.parallel.wrapper import (
     Wrapper,
@@ -232,9 +233,9 @@ class ParameterServer(Wrapper):
         ...                   │  of all g_i, then │   ...
         worker N-1 ─push ────►┘  optimizer.step() └──pull W──► worker N-1
 
-    ``step`` pushes, updates on the server and pulls (``clip_grad_norm_`` pushes first, to clip the
-    whole batch's gradient where it is: on the server). The server also trains on its own rows, so the result
-    equals the serial run. Only the server ever creates optimizer state. Its link carries (N-1)
+    ``step`` pushes, updates on the server and pulls (``clip_grad_norm_`` pushes first, to clip
+    the whole batch's gradient where it is: on the server). The server also trains on its own
+    rows, so the result equals the serial run. Only the server ever creates optimizer state. Its link carries (N-1)
     gradients in and (N-1) copies of the parameters out per step, 2(N-1)·Ψ: the bottleneck that
     all-reduce removes.
     """
@@ -276,6 +277,70 @@ class ParameterServer(Wrapper):
 
     def _pull(self) -> None:
         raise NotImplementedError("TODO 2.4: The central process hands its current parameters to all the others, which overwrite theirs with them, so every copy starts the next iteration equal.")
+
+
+_ROWS = 25  # tag of a sparse push (its row count, indices and rows)
+
+
+class SparsePushServer(ParameterServer):
+    """A parameter server whose workers push an embedding's gradient as the rows their batch
+    touched (Li et al. 2014: the parameter server's case for sparse models)::
+
+        dense push     every row of the V x D table            V·D·4 bytes
+        sparse push    k = rows touched, then their indices and rows     8 + k·(8 + D·4) bytes
+
+    An untied token embedding gets gradient only in the rows of the tokens its batch holds; the
+    server adds the rows into its own (dense) gradient, in rank order, so the numbers are the
+    dense server's exactly. A table whose gradient is dense (tied to the output head: every row)
+    is pushed dense (its sparse push would be larger).
+    """
+
+    def __init__(self, module, optimizer, server: int = 0, group=None):
+        super().__init__(module, optimizer, server, group)
+        tables = {id(m.weight) for m in module.modules() if isinstance(m, Embedding)}
+        self.sparse = [p for p in self.params if id(p) in tables]
+        self.dense = [p for p in self.params if id(p) not in tables]
+        self.table_bytes = 0  # bytes this rank pushed for its embedding tables
+
+    def _push_and_average(self) -> None:
+        grads = flatten([grad_or_zeros(p) for p in self.dense])
+        if self.rank != self.server:
+            dist.send(grads, self.server, group=self.group, tag=_PUSH)
+            for p in self.sparse:
+                self._push_rows(grad_or_zeros(p))
+            return
+        incoming = {w: xp.empty_like(grads) for w in self.workers}
+        for w in self.workers:
+            dist.recv(incoming[w], w, group=self.group, tag=_PUSH)
+        for w in self.workers:  # rank order, as the dense server
+            grads += incoming[w]
+        unflatten_into(grads / self.world_size, [p.grad for p in self.dense])
+        for p in self.sparse:
+            total = grad_or_zeros(p)
+            for w in self.workers:
+                self._add_rows(total, w)
+            total /= self.world_size
+
+    def _push_rows(self, grad) -> None:
+        """A worker: the touched rows (nonzero gradient) with their indices, or the whole table."""
+        rows = xp.flatnonzero(xp.any(grad != 0, axis=1))
+        sparse = 8 + rows.size * (8 + grad[0].nbytes) < grad.nbytes
+        header = xp.asarray([rows.size if sparse else -1], dtype=xp.int64)
+        parts = [header, rows.astype(xp.int64), xp.ascontiguousarray(grad[rows])] if sparse else [header, grad]
+        for part in parts:
+            dist.send(part, self.server, group=self.group, tag=_ROWS)
+            self.table_bytes += part.nbytes
+
+    def _add_rows(self, total, worker: int) -> None:
+        """The server: add a worker's pushed rows (or whole table) into ``total``."""
+        header = dist.recv(xp.zeros(1, dtype=xp.int64), worker, group=self.group, tag=_ROWS)
+        count = int(header[0])
+        if count < 0:
+            total += dist.recv(xp.empty_like(total), worker, group=self.group, tag=_ROWS)
+            return
+        rows = dist.recv(xp.empty(count, dtype=xp.int64), worker, group=self.group, tag=_ROWS)
+        values = dist.recv(xp.empty((count, total.shape[1]), dtype=total.dtype), worker, group=self.group, tag=_ROWS)
+        total[rows] += values  # rows are distinct: no two values land in one row
 
 
 # ================================================================================================

@@ -27,7 +27,15 @@ from tinytrain.backend import to_host, xp
 from tinytrain.cli import main
 from tinytrain.data import AdditionDataset, shard_rows
 from tinytrain.nn import GPT, GPTConfig
-from tinytrain.parallel.data_parallel import AsyncParameterServer, LocalSGD, NaiveDDP, ParameterServer, flatten
+from tinytrain.parallel import costs
+from tinytrain.parallel.data_parallel import (
+    AsyncParameterServer,
+    LocalSGD,
+    NaiveDDP,
+    ParameterServer,
+    SparsePushServer,
+    flatten,
+)
 
 ROWS = 4  # rows per rank
 
@@ -152,6 +160,41 @@ def test_a_dead_worker_ends_the_servers_wait_naming_it(monkeypatch):
     if dist.get_rank() == 0:
         assert "asynchronous parameter server" in str(err.value) and "recv from rank 2" in str(err.value)
     assert time.monotonic() - start < 5  # far below the 30 s deadline
+
+
+# --- sparse pushes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.world_size(4)
+def test_sparse_pushes_send_the_touched_rows_and_change_no_number():
+    """An untied 64-token table: a worker pushes 8 + k·(8 + 4D) bytes for its k distinct tokens; the
+    position table (every row touched) goes dense; the parameters equal the dense server's exactly."""
+    config = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32, tie_weights=False)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    batches = [np.random.default_rng([5, t]).integers(0, 64, size=(2, ROWS * n, 8)) for t in range(2)]
+    runs = {}
+    for kind in (ParameterServer, SparsePushServer):
+        model = GPT(config, seed=1)
+        server = kind(model, make_optimizer("adamw", model))
+        for x, y in batches:
+            for p in model.parameters():
+                p.grad = None
+            mine = [xp.asarray(shard_rows(a, rank, n)) for a in (x, y)]
+            server.backward(F.cross_entropy(server(mine[0]), mine[1]))
+            server.step()
+        runs[kind] = (params(model), server)
+    for got, want in zip(runs[SparsePushServer][0], runs[ParameterServer][0]):
+        assert np.array_equal(got, want), "a sparse push must give the dense server's numbers exactly"
+    if rank == 0:
+        return
+    touched = sum(len(np.unique(shard_rows(x, rank, n))) for x, _ in batches)
+    tokens = 2 * 8 + touched * (8 + 4 * 32)  # per step a row count, then k indices and k rows
+    positions = 2 * (8 + 8 * 32 * 4)  # every position is touched: dense, after its header (-1)
+    assert runs[SparsePushServer][1].table_bytes == tokens + positions, (runs[SparsePushServer][1].table_bytes, touched)
+    assert tokens < 2 * 64 * 32 * 4  # than the dense push of the token table
+    assert tokens == sum(  # the handouts' formula, the same count
+        costs.sparse_push_volume(len(np.unique(shard_rows(x, rank, n))), 4 * 32) for x, _ in batches
+    )
 
 
 # --- local SGD and DiLoCo ------------------------------------------------------------------------

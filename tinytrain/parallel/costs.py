@@ -142,9 +142,9 @@ def local_sgd_volume(psi_bytes: float, n: int, local_steps: int) -> float:
 
 
 def sparse_push_volume(rows_touched: int, row_bytes: int, index_bytes: int = 8) -> float:
-    """Bytes of one embedding gradient pushed sparse: the rows a batch touched, each with its index,
-    against ``vocabulary · row_bytes`` dense."""
-    return rows_touched * (row_bytes + index_bytes)
+    """Bytes of one embedding gradient pushed sparse (``data_parallel.SparsePushServer``): a row
+    count, then the k rows a batch touched, each with its index; dense it is ``vocabulary · row_bytes``."""
+    return index_bytes + rows_touched * (row_bytes + index_bytes)
 
 
 # --- tensor parallel --------------------------------------------------------------------------------
