@@ -255,9 +255,7 @@ TINY = (
 
 
 def psi_of_tiny() -> int:
-    task = AdditionDataset(2)
-    config = GPTConfig(vocab_size=task.vocab_size, block_size=task.block_size, n_layer=2, n_head=4, n_embd=32)
-    return sum(p.size for p in GPT(config).parameters())
+    return sum(p.size for p in GPT(GPTConfig(**tiny_config())).parameters())
 
 
 def printed_bytes(err: str) -> tuple[float, float]:
@@ -300,3 +298,29 @@ def test_the_parameter_server_trains_the_serial_curve(tmp_path, algo):
     got, want = metrics(out), serial_metrics(tmp_path)
     np.testing.assert_allclose([s["loss"] for s in got["steps"]], [s["loss"] for s in want["steps"]], rtol=2e-5)
     np.testing.assert_allclose(got["final"]["val_loss"], want["final"]["val_loss"], rtol=2e-5)
+
+
+@pytest.mark.world_size(4)
+def test_bench_dp_algos_draws_every_algorithm_and_names_the_fewest_bytes(tmp_path, capsys):
+    """4 steps of each; by a loss every run reaches at step 2, local SGD (H = 2) has sent the least."""
+    import json
+
+    out = parallel_cases.shared_dir(tmp_path) / "bench"
+    flags = "--steps 4 --width 32 --local-steps 2 --target 10 --window 2".split()
+    assert main(["bench", "dp-algos", *flags, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    if dist.get_rank() != 0:
+        return
+    runs = {r["algo"]: r for r in json.loads((out / "dp_algos.json").read_text())["runs"]}
+    assert set(runs) == {"allreduce", "ps", "async-ps", "local-sgd", "diloco"}
+    assert (out / "dp_algos.png").stat().st_size > 0
+    assert len(runs["async-ps"]["staleness"]) == 16
+    psi_bytes = 4 * psi_of_tiny()
+    assert sum(runs["local-sgd"]["bytes"]) - sum(runs["allreduce"]["bytes"]) / 2 == pytest.approx(0, abs=200), runs
+    assert sum(runs["allreduce"]["bytes"]) >= 4 * 2 * 3 * psi_bytes
+    assert "fewest bytes to loss 10: local-sgd H=2" in printed, printed
+
+
+def tiny_config() -> dict:
+    task = AdditionDataset(2)
+    return dict(vocab_size=task.vocab_size, block_size=task.block_size, n_layer=2, n_head=4, n_embd=32)
