@@ -36,7 +36,8 @@ This chapter builds six versions, in the order a framework grew them:
 4. ``ParameterServer`` (task 2.4): the design the ring replaced. One rank holds the parameters and
    the optimizer; the others push their gradients to it and pull the new parameters back. Every
    byte goes through the server: its traffic grows as 2(N-1)·|W| while a ring all-reduce sends
-   2(N-1)/N·|W| per rank, which stays below 2|W| however many ranks join.
+   2(N-1)/N·|W| per rank, which stays below 2|W| however many ranks join. ``SparsePushServer``
+   pushes an embedding's gradient as the rows the batch touched: the server's case for sparse models.
 5. ``AsyncParameterServer`` (task 2.5): no lock-step. The server applies each gradient as it
    arrives and sends that worker the new parameters at once; a gradient computed on parameters
    some updates old is *stale* (Dean et al. 2012, Downpour SGD). A bound on staleness (stale

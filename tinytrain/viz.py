@@ -468,7 +468,8 @@ def plot_dp_algos(results: list, names: list, path=None, target: float | None = 
         ax.grid(alpha=0.3)
         if target is not None:
             ax.axhline(target, color="gray", ls=":", lw=1)
-    axes[1].set_xscale("symlog", linthresh=1)
+    axes[1].set_xscale("symlog", linthresh=1)  # local SGD's first average comes after H steps of nothing
+    axes[1].set_xlim(left=0)
     axes[0].legend(fontsize=8)
     stale = [(r, name) for r, name in zip(results, names) if r.get("staleness")]
     for r, name in stale:

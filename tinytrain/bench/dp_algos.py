@@ -23,7 +23,7 @@ ALGOS = ("allreduce", "ps", "async-ps", "local-sgd", "diloco")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--local-steps", type=int, default=8, help="H of local-sgd and diloco")
     p.add_argument("--target", type=float, default=1.2, help="the loss to reach (averaged over --window steps)")
     p.add_argument("--window", type=int, default=10)
