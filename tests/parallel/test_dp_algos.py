@@ -324,3 +324,19 @@ def test_bench_dp_algos_draws_every_algorithm_and_names_the_fewest_bytes(tmp_pat
 def tiny_config() -> dict:
     task = AdditionDataset(2)
     return dict(vocab_size=task.vocab_size, block_size=task.block_size, n_layer=2, n_head=4, n_embd=32)
+
+
+@pytest.mark.world_size(4)
+def test_a_parameter_server_run_resumes_on_its_uninterrupted_curve(tmp_path):
+    """Rank 0, the server, writes the parameters and the optimizer state: 3 steps + 3 resumed = 6."""
+    base = [*TINY, "--dp", "4", "--dp-algo", "ps", "--warmup", "0", "--lr", "0.003", "--min-lr", "0.003"]
+    base[base.index("--steps") : base.index("--steps") + 2] = []  # (given below)
+    shared = parallel_cases.shared_dir(tmp_path)
+    assert main(["train", *base, "--steps", "6", "--out", str(shared / "whole")]) == 0
+    assert main(["train", *base, "--steps", "3", "--out", str(shared / "cut")]) == 0
+    assert main(["train", *base, "--steps", "6", "--resume", "--out", str(shared / "cut")]) == 0
+    if dist.get_rank() == 0:
+        from test_layouts import metrics
+
+        got, want = (metrics(shared / name)["steps"] for name in ("cut", "whole"))
+        assert [s["loss"] for s in got] == [s["loss"] for s in want]
