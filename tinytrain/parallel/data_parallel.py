@@ -360,7 +360,7 @@ class SparsePushServer(ParameterServer):
         incoming = {w: xp.empty_like(grads) for w in self.workers}
         for w in self.workers:
             dist.recv(incoming[w], w, group=self.group, tag=_PUSH)
-        for w in self.workers:  # rank order, as the dense server
+        for w in self.workers:  # in rank order, as the dense server adds them
             grads += incoming[w]
         unflatten_into(grads / self.world_size, [p.grad for p in self.dense])
         for p in self.sparse:
