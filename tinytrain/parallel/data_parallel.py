@@ -260,9 +260,9 @@ class ParameterServer(Wrapper):
 
     ``step`` pushes, updates on the server and pulls (``clip_grad_norm_`` pushes first, to clip
     the whole batch's gradient where it is: on the server). The server also trains on its own
-    rows, so the result equals the serial run. Only the server ever creates optimizer state. Its link carries (N-1)
-    gradients in and (N-1) copies of the parameters out per step, 2(N-1)·Ψ: the bottleneck that
-    all-reduce removes.
+    rows, so the result equals the serial run. Only the server ever creates optimizer state. Its
+    link carries (N-1) gradients in and (N-1) copies of the parameters out per step, 2(N-1)·Ψ: the
+    bottleneck that all-reduce removes.
     """
 
     def __init__(self, module, optimizer, server: int = 0, group=None):
