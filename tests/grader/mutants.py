@@ -317,6 +317,46 @@ MUTANTS += [
         "            pass",
         "\\[rank [123]\\] after step 1, parameter .* differs from rank 0's",
     ),
+    M(
+        "async_ignores_the_staleness_bound",
+        "2.5",
+        A2,
+        "        if k is not None and any(self.version + 1 - self.pulled[w] > k for w in others):",
+        "        if False:",
+        "bound 0|max-staleness",
+    ),
+    M(
+        "async_counts_staleness_after_the_update",
+        "2.5",
+        A2,
+        "        self.staleness += [self.version - self.pulled[r] for r in ranks]\n        self.version += 1\n",
+        "        self.version += 1\n        self.staleness += [self.version - self.pulled[r] for r in ranks]\n",
+        "staleness",
+    ),
+    M(
+        "async_sums_without_averaging",
+        "2.5",
+        A2,
+        "        total /= len(ranks)\n",
+        "",
+        "bound 0: parameter",
+    ),
+    M(
+        "outer_step_sums_the_deltas",
+        "2.6",
+        A2,
+        'dist.all_reduce(delta, op="avg"',
+        'dist.all_reduce(delta, op="sum"',
+        "H = 1|outer step",
+    ),
+    M(
+        "outer_step_leaves_the_replicas_where_they_are",
+        "2.6",
+        A2,
+        "        unflatten_into(self.start.data, [p.data for p in self.params])\n",
+        "",
+        "H = 1|outer step",
+    ),
 ]
 
 # --- assignment 3: ZeRO -------------------------------------------------------------------------------
