@@ -110,13 +110,18 @@ class Optimizer:
 
 
 class SGD(Optimizer):
-    """p -= lr · (g + wd·p), with heavy-ball momentum: v = μ·v + (g + wd·p); p -= lr·v."""
+    """p -= lr · (g + wd·p), with heavy-ball momentum: v = μ·v + (g + wd·p); p -= lr·v.
+    ``nesterov=True`` looks one step ahead (Sutskever et al. 2013, as torch.optim.SGD): p -= lr·(g + μ·v)."""
 
-    def __init__(self, params, lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0):
+    def __init__(
+        self, params, lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False
+    ):
         super().__init__(params, lr)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        self.momentum, self.weight_decay = momentum, weight_decay
+        if nesterov and not momentum:
+            raise ValueError("nesterov=True needs a momentum above 0")
+        self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
 
     def new_state(self, param):
         return {"momentum": xp.zeros_like(param)} if self.momentum else {}
@@ -128,7 +133,7 @@ class SGD(Optimizer):
             buf = state["momentum"]
             buf *= self.momentum
             buf += grad
-            grad = buf
+            grad = grad + self.momentum * buf if self.nesterov else buf
         param -= self.lr * grad
 
 
