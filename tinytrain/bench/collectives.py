@@ -421,26 +421,19 @@ def hierarchy(world, sizes: list[int], rounds: int) -> list[dict]:
     """Our all_reduce over ``world`` as the flat ring and as the hierarchical algorithm under the
     emulated topology (``distributed/topology.py``), interleaved, best of ``rounds``; next to each the
     α-β model's time (``costs``): the inter-node link is the emulated one in series with shared memory,
-    whose α and bandwidth are fitted here to ring all-reduces inside each node. Printed on rank 0;
+    whose α and bandwidth are fitted here to ring all-reduces inside each node (``planner.emulated.node_link``,
+    as ``plan --measure`` calibrates). Printed on rank 0;
     returns the rows."""
     from tinytrain import distributed as dist
     from tinytrain.distributed import topology
     from tinytrain.distributed.choice import choose_all_reduce_algo
     from tinytrain.parallel import costs
+    from tinytrain.planner.emulated import node_link
 
     links = topology.active
     nodes = links.nodes_of(world.world_ranks)
     local, comm = len(nodes[0]), world.comm
-    mine = next(ranks for ranks in nodes if world.rank in ranks)
-    node = dist.new_group(mine, name=f"node{links.node[world.rank]}")  # every node's ranks at once
-    points = []
-    for size in (16 << 10, 256 << 10, 4 << 20):  # the node's own link, as bench plan fits the machine's
-        a = numpy.zeros(size // 4, dtype=numpy.float32)
-        seconds = min(_time(lambda: dist.all_reduce(a, group=node, algo="ring"), 10, comm) for _ in range(rounds))
-        points.append(
-            (costs.collective_steps("all_reduce", local), costs.collective_bytes("all_reduce", size, local), seconds)
-        )
-    intra = costs.fit_alpha_beta(points)
+    intra = node_link(world, rounds)
     inter = costs.series_link((links.inter_latency, links.inter_bw), intra)
     rows = []
     if world.rank == 0:
@@ -717,6 +710,13 @@ def _header(args, n: int, mpi: str, baseline) -> None:
         print(f"# MPI as it comes: this launch, interleaved with ours (MPICH settings: {mpich_settings()})")
     if mpi in ("here", "both"):
         print(f"# MPI here: this launch, MPICH settings: {mpich_settings()}")
+    from tinytrain.distributed import topology
+
+    if topology.active is not None:
+        print(
+            f"# emulated topology {topology.active}: ours pays its inter-node link, MPI's own collectives do "
+            "not (ratios compare nothing here; the hierarchical-vs-ring table below does)"
+        )
     against = "MPI here" if mpi == "here" else "MPI as it comes"
     print(f"# ratio = our busbw / busbw of {against} (above 1: ours faster; below 1: MPI faster)")
     if mpi == "both":

@@ -41,7 +41,7 @@ from tinytrain import backend, trace
 
 from . import stats, topology, watchdog
 from ._mpi import MPI
-from .group import resolve
+from .group import on_uninstall, resolve
 
 MAX_USER_TAG = 1023  # collectives use tags above this, so user p2p can never match them
 
@@ -185,6 +185,7 @@ class Exchange:
         arrival = links.arrival(buf.nbytes)
         if self.held is None:
             self.held = []
+            _holding.append(self)
         self.held.append((arrival, buf, peer, tag))
         world_peer = self.group.world_ranks[peer]
         if trace.enabled:  # the message's time on the link, from entering the port to arriving
@@ -227,8 +228,10 @@ class Exchange:
         fills the statuses that the byte-count check reads. (An MPI older than 4.1: ``Testall``.)"""
         if self.done:
             return True
-        if self.held is not None and not self._post_due():
-            return False
+        if _holding:  # any poll hands over every due held send, this step's or another's
+            post_held()
+            if self.held is not None:
+                return False
         statuses = self.statuses
         try:
             if _all_complete is None:
@@ -324,6 +327,20 @@ class Exchange:
         for _, _, peer, _ in self.held or ():
             out.append(("send (held on the emulated inter-node link) to", self.group.world_ranks[peer]))
         return out
+
+
+# Exchanges with sends held on an emulated link (topology.py). Any poll of any step posts the due
+# ones: a rank that waits for a receive must still hand over what it isent before (a pipeline
+# stage sends an activation, then waits for a gradient, and never polls the send's handle).
+_holding: list[Exchange] = []
+on_uninstall(_holding.clear)  # their communicators are gone
+
+
+def post_held() -> None:
+    """Post every held send whose emulated arrival has come."""
+    for ex in list(_holding):
+        if ex._post_due():
+            _holding.remove(ex)
 
 
 def _describe(buf) -> str:

@@ -19,9 +19,10 @@ port out of its node. A message from rank r to a rank on another node enters r's
 port is free (it carries one message at a time: a second waits for the first to arrive) and
 arrives ``latency + bytes / bandwidth`` later; only then is it handed to MPI, which adds shared
 memory's own time (about a tenth). The receiving side is not modelled (a port receives from any
-number of senders at once). A send's emulated arrival is known when it is posted, so a rank that
-stops polling (computing between ``test()`` calls of an async handle) hands it to MPI late: call
-``progress_all()`` or run the progress thread, as for any async collective.
+number of senders at once). A held send is handed to MPI by the first poll after its arrival
+time, the poll of any step or handle on this rank (``p2p.post_held``): a pipeline stage that sent an
+activation and now waits for a gradient still delivers it. A rank that computes without polling
+hands it over late, as any async collective of it moves only when polled.
 
 Settings (read when ``tinytrain.distributed`` is imported; ``install`` replaces them in a program):
 
