@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import numpy
@@ -183,10 +184,11 @@ class Exchange:
         """Hold a send to another node back until the emulated link delivers it (``topology.py``);
         :meth:`test` posts it then. Returns the peer's world rank."""
         arrival = links.arrival(buf.nbytes)
-        if self.held is None:
-            self.held = []
-            _holding.append(self)
-        self.held.append((arrival, buf, peer, tag))
+        with _holding_lock:
+            if self.held is None:
+                self.held = []
+                _holding.append(self)
+            self.held.append((arrival, buf, peer, tag))
         world_peer = self.group.world_ranks[peer]
         if trace.enabled:  # the message's time on the link, from entering the port to arriving
             end = trace.now() + (arrival - time.perf_counter()) * 1e6
@@ -231,6 +233,7 @@ class Exchange:
         if _holding:  # any poll hands over every due held send, this step's or another's
             post_held()
             if self.held is not None:
+                self.group.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)  # MPI still progresses the rest meanwhile
                 return False
         statuses = self.statuses
         try:
@@ -336,11 +339,15 @@ _holding: list[Exchange] = []
 on_uninstall(_holding.clear)  # their communicators are gone
 
 
+_holding_lock = threading.Lock()  # the progress thread polls too: a held send is posted once
+
+
 def post_held() -> None:
     """Post every held send whose emulated arrival has come."""
-    for ex in list(_holding):
-        if ex._post_due():
-            _holding.remove(ex)
+    with _holding_lock:
+        for ex in list(_holding):
+            if ex._post_due():
+                _holding.remove(ex)
 
 
 def _describe(buf) -> str:
