@@ -65,12 +65,6 @@ class Plan:
             raise ValueError(f"--bucket-mb must be positive, got {self.bucket_mb}")
         check_recompute(self.recompute)  # every layout takes every mode: it changes memory, not numbers
         precision_dtype(self.precision)  # bf16 is refused on CuPy (it says so)
-        if self.precision == "bf16" and (self.zero or (config.n_experts and self.dp * self.ep > 1)):
-            raise ValueError(
-                f"--precision bf16 with {'--zero' if self.zero else 'experts across ranks'}: their gradients are "
-                "averaged by tinytrain.distributed's op='avg', which takes NumPy floating dtypes only (ml_dtypes' "
-                "bfloat16 is not one); use --precision fp16 here, or bf16 with plain --dp"
-            )
         if self.sp and self.tp < 2:
             raise ValueError("--sp splits the sequence over the tensor-parallel group: add --tp 2 or more")
         if self.cp > 1 and self.pp > 1:
