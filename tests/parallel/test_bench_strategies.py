@@ -6,8 +6,14 @@ import json
 import pytest
 
 from tinytrain import distributed as dist
+from tinytrain.backend import device
 from tinytrain.bench import strategies as bench
+from tinytrain.nn import GPT, GPTConfig
+from tinytrain.parallel.costs import zero_memory
+from tinytrain.parallel.zero_parts import gpt_units
 from tinytrain.planner import ModelSpec, run_bytes
+
+BF16 = "bf16" if device == "cpu" else "fp16"  # CuPy has no bfloat16; the bytes are the same
 
 
 def _run(tmp_path, *extra):
@@ -69,3 +75,23 @@ def test_every_strategy_has_a_row_with_time_bytes_and_memory(tmp_path, capsys):
 def test_bad_sizes_are_refused_in_one_sentence(tmp_path):
     with pytest.raises(ValueError, match="--n-layer must be a positive multiple of 8"):
         _run(tmp_path, "--n-layer", "6")
+
+
+@pytest.mark.world_size(4)
+def test_the_zero_papers_memory_table_from_a_16_bit_run():
+    """Mixed-precision AdamW on 4 ranks, each figure measured from the arrays the run holds after
+    backward (16-bit parameters and gradients, float32 master, m, v: 2 + 2 + 12 bytes per parameter),
+    against the ZeRO paper's Figure 1: DDP 2Ψ + 2Ψ + 12Ψ, ZeRO-1 2Ψ + 2Ψ + 12Ψ/N, ZeRO-2 2Ψ + (2 + 12)Ψ/N,
+    ZeRO-3 (2 + 2 + 12)Ψ/N. N = 4 divides every parameter of this GPT, so the pieces are exactly Ψ/N."""
+    config = GPTConfig(**dict(bench.MODEL, n_embd=16, block_size=8))
+    model = GPT(config)
+    psi = sum(p.size for p in model.parameters())
+    assert all(p.size % 4 == 0 for p in model.parameters())
+    for stage, name in enumerate(("dp", "zero1", "zero2", "zero3")):
+        mine = bench.measure(name, config, batch=8, steps=1, precision=BF16)
+        want = zero_memory(psi, 4, stage)  # defaults: 2, 2 and K = 12 bytes per parameter
+        got = {k: mine[k] for k in ("params", "grads", "optimizer")}
+        assert got == {k: want[k] for k in got}, f"{name} on rank {dist.get_rank()}: {got} vs the paper's {want}"
+        # ZeRO-3 holds one layer's full 16-bit parameters at a time besides its pieces (a block: the largest)
+        biggest = max(2 * sum(p.size for p in params) for _, _, params in gpt_units(model))
+        assert mine["gathered"] == (biggest if stage == 3 else 0), name

@@ -14,6 +14,8 @@ DP, ZeRO-1/2/3, TP, TP+SP, and PP with each schedule (gpipe, 1f1b, interleaved).
     peak        params + grads + optimizer + activations (+ ZeRO-3's gathered layers): an upper
                 bound of the rank's peak, all four at once; the table shows the largest rank's
 
+``--precision bf16|fp16`` runs every strategy in that precision (16-bit parameters, gradients and
+activations, AdamW's float32 masters and moments: the ZeRO paper's 2Ψ + 2Ψ + 12Ψ).
 ``--json FILE`` writes every rank's figures (lists indexed by rank) for the planner and notebooks.
 """
 
@@ -51,13 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-embd", type=int, default=MODEL["n_embd"], help="model width (a multiple of 4)")
     parser.add_argument("--n-layer", type=int, default=MODEL["n_layer"], help="layers (a multiple of 8)")
     parser.add_argument("--block-size", type=int, default=MODEL["block_size"], help="context length")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="of every strategy")
     parser.add_argument("--json", default=None, help="also write every rank's figures as JSON to this file")
 
 
-def plan_of(name: str):
+def plan_of(name: str, precision: str = "fp32"):
     from tinytrain.parallel.plan import Plan
 
-    return Plan(**STRATEGIES[name])
+    return Plan(**STRATEGIES[name], precision=precision)
 
 
 def _memory(runner, optimizer) -> dict:
@@ -97,14 +100,14 @@ def _one_step(runner, optimizer, x, y) -> tuple[float, object, dict]:
     return seconds, stats, memory | {"activations": peak_saved_bytes()}
 
 
-def measure(name: str, config, batch: int, steps: int) -> dict | None:
+def measure(name: str, config, batch: int, steps: int, precision: str = "fp32") -> dict | None:
     """One strategy on every rank: its figures on this rank (``None`` on a rank that sat out)."""
     from tinytrain import distributed as dist
     from tinytrain.nn import GPT
     from tinytrain.optim import AdamW
     from tinytrain.trainer.runners import make_runner
 
-    plan = plan_of(name)
+    plan = plan_of(name, precision)
     if plan.is_serial and dist.get_rank() != 0:
         return None
     runner = make_runner(GPT(config, seed=0), plan, batch)
@@ -157,13 +160,14 @@ def _row(name: str, per_rank: list) -> dict:
     }
 
 
-def _print_table(rows: list, config, batch: int, steps: int) -> None:
+def _print_table(rows: list, config, batch: int, steps: int, precision: str) -> None:
     def mib(b):
         return f"{b / 2**20:8.3f}"
 
     print(
         f"# tinytrain bench strategies: GPT {config.n_layer} layers x {config.n_embd} wide, T={config.block_size}, "
-        f"batch {batch}, AdamW, {RANKS} ranks (serial: rank 0 alone); best of {steps} steps after a warm-up"
+        f"batch {batch}, AdamW ({precision}), {RANKS} ranks (serial: rank 0 alone); "
+        f"best of {steps} steps after a warm-up"
     )
     print("# sent: bytes one rank sent in the step; memory in MiB on the rank with the largest peak")
     print(
@@ -209,11 +213,12 @@ def run(args) -> int:
     config = GPTConfig(**dict(MODEL, n_embd=args.n_embd, n_layer=args.n_layer, block_size=args.block_size))
     rows = []
     for name in args.strategies:
-        per_rank = _gather(measure(name, config, args.batch, args.steps))  # the serial run's idle ranks wait here
+        mine = measure(name, config, args.batch, args.steps, args.precision)
+        per_rank = _gather(mine)  # the serial run's idle ranks wait here
         if dist.get_rank() == 0:
             rows.append(_row(name, per_rank))
     if dist.get_rank() == 0:
-        _print_table(rows, config, args.batch, args.steps)
+        _print_table(rows, config, args.batch, args.steps, args.precision)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
