@@ -2,7 +2,8 @@
 
 Each strategy is a ``Plan`` run by the training stack itself (``trainer.runners.make_runner``, so
 ``hybrid.parallelize``), on the same model, batch and seed: serial (rank 0 alone, the others wait),
-DP, ZeRO-1/2/3, TP, TP+SP, and PP with each schedule (gpipe, 1f1b, interleaved). Per strategy::
+DP, ZeRO-1/2/3, TP, TP+SP, PP with each schedule (gpipe, 1f1b, interleaved), and ZeRO-3 composed
+with TP and with PP (2 x 2). Per strategy::
 
     time        seconds of one step (forward, backward, AdamW), the slowest rank's, best of --steps
                 after one warm-up step (noise only ever adds time)
@@ -13,6 +14,8 @@ DP, ZeRO-1/2/3, TP, TP+SP, and PP with each schedule (gpipe, 1f1b, interleaved).
     activations peak bytes saved for backward in the step (``autograd.peak_saved_bytes``)
     peak        params + grads + optimizer + activations (+ ZeRO-3's gathered layers): an upper
                 bound of the rank's peak, all four at once; the table shows the largest rank's
+    planned     the planner's figure for the same layout (``planner.tinytrain_memory``: fp32 AdamW,
+                tinytrain's activation terms); the JSON has it as ``planned_bytes``
 
 ``--precision bf16|fp16`` runs every strategy in that precision (16-bit parameters, gradients and
 activations, AdamW's float32 masters and moments: the ZeRO paper's 2Ψ + 2Ψ + 12Ψ).
@@ -39,6 +42,8 @@ STRATEGIES = {
     "pp-gpipe": {"pp": 4, "schedule": "gpipe"},
     "pp-1f1b": {"pp": 4, "schedule": "1f1b"},
     "pp-interleaved": {"pp": 4, "schedule": "interleaved", "chunks": 2},
+    "zero3+tp": {"dp": 2, "tp": 2, "zero": 3},
+    "zero3+pp": {"dp": 2, "pp": 2, "zero": 3},
 }
 RANKS = 4
 # tiny by default: 8 layers so the interleaved pipeline has 2 per stage, 4 heads for --tp 4
@@ -145,7 +150,20 @@ def _flags(plan) -> str:
     return plan.flags() + f" --schedule {plan.schedule}" + (f" --chunks {plan.chunks}" if plan.chunks > 1 else "")
 
 
-def _row(name: str, per_rank: list) -> dict:
+def planned_memory(name: str, config, batch: int, precision: str = "fp32") -> dict:
+    """The planner's bytes per rank for strategy ``name`` on this GPT (``planner.tinytrain_memory``)."""
+    from tinytrain.planner import Layout, ModelSpec, tinytrain_memory
+
+    plan = plan_of(name, precision)
+    c = config
+    spec = ModelSpec(c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.block_size, batch, c.tie_weights, c.bias)
+    microbatch = batch // (plan.dp * (plan.n_microbatches if plan.pp > 1 else 1))
+    layout = Layout(plan.dp, plan.tp, plan.pp, plan.cp, plan.sp, plan.zero, microbatch)
+    state = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    return tinytrain_memory(spec, layout, state, plan.schedule, plan.chunks, plan.n_microbatches, config.dropout > 0)
+
+
+def _row(name: str, per_rank: list, planned: dict) -> dict:
     ran = [r for r in per_rank if r is not None]
     memory = {k: [r[k] for r in ran] for k in MEMORY_KEYS}
     peaks = [sum(r[k] for k in MEMORY_KEYS) for r in ran]
@@ -157,6 +175,7 @@ def _row(name: str, per_rank: list) -> dict:
         "sent_bytes": [int(r["sent"]) for r in ran],
         **{f"{k}_bytes": [int(b) for b in v] for k, v in memory.items()},
         "peak_bytes": [int(b) for b in peaks],
+        "planned_bytes": int(planned["total"]),
     }
 
 
@@ -170,9 +189,10 @@ def _print_table(rows: list, config, batch: int, steps: int, precision: str) -> 
         f"best of {steps} steps after a warm-up"
     )
     print("# sent: bytes one rank sent in the step; memory in MiB on the rank with the largest peak")
+    print("# planned: the planner's peak per rank for the layout (planner.tinytrain_memory)")
     print(
         f"# {'strategy':<16}{'plan':<44}{'time ms':>9}{'sent KiB':>10}{'params':>9}{'grads':>9}"
-        f"{'optim':>9}{'activ':>9}{'peak':>9}{'x serial':>9}"
+        f"{'optim':>9}{'activ':>9}{'peak':>9}{'planned':>9}{'x serial':>9}"
     )
     serial = next((r["time_ms"] for r in rows if r["strategy"] == "serial"), None)
     for r in rows:
@@ -181,7 +201,7 @@ def _print_table(rows: list, config, batch: int, steps: int, precision: str) -> 
         versus = f"{r['time_ms'] / serial:9.2f}" if serial else f"{'-':>9}"
         print(
             f"  {r['strategy']:<16}{r['plan']:<44}{r['time_ms']:9.1f}{max(r['sent_bytes']) / 1024:10.1f}"
-            f"{memory} {mib(r['peak_bytes'][top])}{versus}",
+            f"{memory} {mib(r['peak_bytes'][top])} {mib(r['planned_bytes'])}{versus}",
             flush=True,
         )
     if serial:
@@ -216,7 +236,7 @@ def run(args) -> int:
         mine = measure(name, config, args.batch, args.steps, args.precision)
         per_rank = _gather(mine)  # the serial run's idle ranks wait here
         if dist.get_rank() == 0:
-            rows.append(_row(name, per_rank))
+            rows.append(_row(name, per_rank, planned_memory(name, config, args.batch, args.precision)))
     if dist.get_rank() == 0:
         _print_table(rows, config, args.batch, args.steps, args.precision)
         if args.json:
