@@ -230,9 +230,10 @@ class ZeroStage3(ZeroStage2):
         last unit's callable (their parameters stay the unit's): a composed layout passes the embedding
         at its context-parallel positions, and the head with its loss (TP: vocab-parallel)."""
         if self.module is None:
-            super().__call__(x)  # (refuses: a list of parameters has no forward)
-        for i, (name, fn, shards) in enumerate(self.units):
-            fn = first if i == 0 and first else last if i == len(self.units) - 1 and last else fn
+            return super().__call__(x)  # a list of parameters has no forward: ShardedWrapper says so
+        callables = [fn for _, fn, _ in self.units]
+        callables[0], callables[-1] = first or callables[0], last or callables[-1]
+        for (name, _, shards), fn in zip(self.units, callables):
             x = ShardedUnit.apply(x, self.anchor, zero=self, fn=fn, shards=shards, name=name)
         return x
 

@@ -143,6 +143,22 @@ def test_bf16_experts_across_ranks_follow_the_serial_bf16_run():
     assert max(abs(a - b) for a, b in zip(got, want)) < 2 * GAP["bf16"], (got, want)
 
 
+COMPOSED_ZERO3 = {
+    "--dp 2 --tp 2 --zero 3": Plan(dp=2, tp=2, zero=3, precision=BF16),
+    "--dp 2 --pp 2 --zero 3": Plan(dp=2, pp=2, zero=3, precision=BF16),
+    "--dp 2 --cp 2 --zero 3 fp16": Plan(dp=2, cp=2, zero=3, precision="fp16"),
+}
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("layout", list(COMPOSED_ZERO3))
+def test_zero3_composed_follows_the_serial_run_in_16_bit(layout):
+    plan = COMPOSED_ZERO3[layout]
+    plan.check(dist.get_world_size(), CONFIG, ROWS)
+    want, got = serial_losses(plan.precision, 4), parallel_losses(plan, 4)
+    assert max(abs(a - b) for a, b in zip(got, want)) < GAP[plan.precision], f"{layout}: {got} vs serial {want}"
+
+
 def dp_step_bytes(precision: str) -> tuple[int, str]:
     """Bytes this rank sends in one --dp 2 step (gradient buckets + the 8-byte mean loss), and the
     gradients' dtype on the wire."""
