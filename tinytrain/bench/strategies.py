@@ -14,8 +14,8 @@ with TP and with PP (2 x 2). Per strategy::
     activations peak bytes saved for backward in the step (``autograd.peak_saved_bytes``)
     peak        params + grads + optimizer + activations (+ ZeRO-3's gathered layers): an upper
                 bound of the rank's peak, all four at once; the table shows the largest rank's
-    planned     the planner's figure for the same layout (``planner.tinytrain_memory``: fp32 AdamW,
-                tinytrain's activation terms); the JSON has it as ``planned_bytes``
+    planned     the planner's figure for the same layout (``planner.tinytrain_memory``: AdamW in the
+                run's precision, tinytrain's activation terms); the JSON has it as ``planned_bytes``
 
 ``--precision bf16|fp16`` runs every strategy in that precision (16-bit parameters, gradients and
 activations, AdamW's float32 masters and moments: the ZeRO paper's 2Ψ + 2Ψ + 12Ψ).
@@ -159,8 +159,10 @@ def planned_memory(name: str, config, batch: int, precision: str = "fp32") -> di
     spec = ModelSpec(c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.block_size, batch, c.tie_weights, c.bias)
     microbatch = batch // (plan.dp * (plan.n_microbatches if plan.pp > 1 else 1))
     layout = Layout(plan.dp, plan.tp, plan.pp, plan.cp, plan.sp, plan.zero, microbatch)
-    state = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
-    return tinytrain_memory(spec, layout, state, plan.schedule, plan.chunks, plan.n_microbatches, config.dropout > 0)
+    state, itemsize = ((4, 4, 8), 4) if precision == "fp32" else ((2, 2, 12), 2)
+    return tinytrain_memory(
+        spec, layout, state, plan.schedule, plan.chunks, plan.n_microbatches, config.dropout > 0, itemsize
+    )
 
 
 def _row(name: str, per_rank: list, planned: dict) -> dict:

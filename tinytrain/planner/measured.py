@@ -5,6 +5,8 @@ measured peak), and one measured step of any plan (for the tests and ``notebooks
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tinytrain.parallel import costs
 from tinytrain.parallel.costs import collective_bytes
 
@@ -223,15 +225,17 @@ def tinytrain_memory(
     chunks: int = 1,
     microbatches: int | None = None,
     dropout: bool = False,
+    itemsize: int = 4,
 ) -> dict:
     """Bytes a rank of ``tinytrain train`` holds at its peak under ``lo`` (fp32 AdamW by default), by
     the planner's ``memory_per_gpu`` with tinytrain's own terms in place of Megatron's: a layer's
-    activations as the engine counts them (``costs.tinytrain_activation_bytes``, float32, bool
-    masks); the layer activations stage 0 holds at once as the schedule's simulation finds them
-    (``simulator.simulate``: GPipe all m micro-batches, 1F1B min(p, m), interleaved in chunks); and
-    ZeRO-3 without a pipeline keeps each unit's input only (its units recompute in backward, as full
-    recompute does). Not counted: the embeddings', final norm's, logits' and loss's activations,
-    a TP rank's replicated weights (counted as 1/t) and a stage's uneven share of the embeddings."""
+    activations as the engine counts them (``costs.tinytrain_activation_bytes``: float32 arrays,
+    bool masks; ``itemsize`` 2, a 16-bit run's, scales the arrays, not the masks); the layer
+    activations stage 0 holds at once as the schedule's simulation finds them (``simulator.simulate``:
+    GPipe all m micro-batches, 1F1B min(p, m), interleaved in chunks); and ZeRO-3 without a pipeline
+    keeps each unit's input only (its units recompute in backward, as full recompute does). Not
+    counted: the embeddings', final norm's, logits' and loss's activations, a TP rank's replicated
+    weights (counted as 1/t) and a stage's uneven share of the embeddings."""
     from tinytrain.parallel.pipeline.schedules import make_schedule
     from tinytrain.parallel.simulator import simulate
 
@@ -239,7 +243,9 @@ def tinytrain_memory(
 
     def layer_bytes(s, b, recompute):
         mode = "full" if recompute else "none"
-        return costs.tinytrain_activation_bytes(s, b, h, a, lo.tp, lo.sp, mode, dropout, lo.cp)
+        floats = costs.tinytrain_activation_bytes(s, b, h, a, lo.tp, lo.sp, mode, False, lo.cp)
+        masks = costs.tinytrain_activation_bytes(s, b, h, a, lo.tp, lo.sp, mode, dropout, lo.cp) - floats
+        return floats * itemsize / 4 + masks
 
     held = None
     if lo.pp > 1:
@@ -247,8 +253,8 @@ def tinytrain_memory(
         peak = simulate(make_schedule(schedule, lo.pp, m, chunks), chunks=chunks).peak_activations[0]
         held = peak * model.layers / (lo.pp * chunks)  # each chunk: layers / (p·v) of them
     elif lo.zero == 3:
-        lo = Layout(**{**lo.__dict__, "recompute": True})
-    return memory_per_gpu(model, lo, state_bytes, itemsize=4, layer_bytes=layer_bytes, held=held)
+        lo = replace(lo, recompute=True)
+    return memory_per_gpu(model, lo, state_bytes, itemsize, layer_bytes=layer_bytes, held=held)
 
 
 def calibrate(rows: list) -> tuple[float, float]:
