@@ -167,9 +167,10 @@ def test_expert_parallel_reports_and_draws_the_expert_load(tmp_path):
 
 
 @pytest.mark.world_size(8)
-def test_every_strategy_at_once_lies_on_the_serial_curve(tmp_path):
-    """Needs `mpirun -n 8` (the suite's 4 ranks skip it): DP x PP x TP with SP and ZeRO-1."""
-    run_layout(tmp_path, "--dp 2 --pp 2 --tp 2 --sp --zero 1")
+@pytest.mark.parametrize("zero", ["1", "3"])
+def test_every_strategy_at_once_lies_on_the_serial_curve(tmp_path, zero):
+    """Needs `mpirun -n 8` (the suite's 4 ranks skip it): DP x PP x TP with SP and ZeRO-1 or 3."""
+    run_layout(tmp_path, f"--dp 2 --pp 2 --tp 2 --sp --zero {zero}")
 
 
 @pytest.mark.world_size(4)
