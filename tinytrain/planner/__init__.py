@@ -25,7 +25,7 @@ from .layouts import (
     no_layout,
     plan,
 )
-from .measured import bench_points, calibrate, measure_step, run_bytes, run_time
+from .measured import bench_points, calibrate, measure_step, run_bytes, run_time, tinytrain_memory
 
 __all__ = [
     "GB",
@@ -46,6 +46,7 @@ __all__ = [
     "measure_step",
     "run_bytes",
     "run_time",
+    "tinytrain_memory",
     "add_arguments",
     "run",
 ]

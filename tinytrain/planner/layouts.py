@@ -176,25 +176,54 @@ def shards(model: ModelSpec, lo: Layout) -> tuple[float, float]:
     return (model.parameters - model.expert_parameters) / (lo.tp * lo.pp), expert
 
 
-def memory_per_gpu(model: ModelSpec, lo: Layout, state_bytes=(2, 2, 12), itemsize: int = ACTIVATION_BYTES) -> dict:
+def memory_per_gpu(
+    model: ModelSpec,
+    lo: Layout,
+    state_bytes=(2, 2, 12),
+    itemsize: int = ACTIVATION_BYTES,
+    layer_bytes=None,
+    held: float | None = None,
+) -> dict:
     """Bytes one GPU holds: model state (``zero_memory``; the dense weights sharded over the data
-    group dp·ep·cp, the experts over dp·cp) and the activations of stage 0, which under 1F1B holds
+    group dp·ep·cp, the experts over dp·cp), ZeRO-3's gathered weights (one layer's at a time; under
+    PP the stage's, gathered for the step) and the activations of stage 0, which under 1F1B holds
     min(p, m) micro-batches of its layers (and, recomputing, one layer's full set at a time).
     ``state_bytes``: bytes per parameter of (weights, gradients, optimizer state), mixed-precision
-    Adam by default; ``itemsize``: of an activation (tinytrain's fp32 AdamW: (4, 4, 8) and 4)."""
+    Adam by default; ``itemsize``: of an activation (tinytrain's fp32 AdamW: (4, 4, 8) and 4).
+    ``layer_bytes(s, b, recompute)``: one layer's bytes kept for backward, Megatron's formula
+    (``activation_bytes_per_layer``) by default; ``held``: layer activations (layers x micro-batches)
+    stage 0 holds at its peak, 1F1B's by default (``tinytrain_memory`` passes tinytrain's own)."""
     dense, expert = shards(model, lo)
     state = zero_memory(dense, lo.dp * lo.ep * lo.cp, lo.zero, *state_bytes)
     experts = zero_memory(expert, lo.dp * lo.cp, lo.zero, *state_bytes)
     s, m = model.seq // lo.cp, model.batch // (lo.dp * lo.ep * lo.microbatch)
     h, a = model.hidden, model.heads
-    layer = activation_bytes_per_layer(s, lo.microbatch, h, a, lo.tp, lo.sp, lo.recompute, itemsize)
-    activations = layer * model.layers / lo.pp * (min(lo.pp, m) if lo.pp > 1 else 1)
+    if layer_bytes is None:
+
+        def layer_bytes(s, b, recompute):
+            return activation_bytes_per_layer(s, b, h, a, lo.tp, lo.sp, recompute, itemsize)
+
+    if held is None:
+        held = model.layers / lo.pp * (min(lo.pp, m) if lo.pp > 1 else 1)
+    activations = layer_bytes(s, lo.microbatch, lo.recompute) * held
     if lo.recompute:
-        activations += activation_bytes_per_layer(s, lo.microbatch, h, a, lo.tp, lo.sp, itemsize=itemsize)
+        activations += layer_bytes(s, lo.microbatch, False)
     memory = {k: state[k] + experts[k] for k in ("params", "grads", "optimizer")}
+    memory["gathered"] = gathered_weights(model, lo, state_bytes[0]) if lo.zero == 3 else 0.0
     memory["activations"] = activations
     memory["total"] = sum(memory.values())
     return memory
+
+
+def gathered_weights(model: ModelSpec, lo: Layout, weight_bytes: float) -> float:
+    """ZeRO-3's full weights held besides the pieces: the largest layer's (a block, this GPU's TP
+    shard of it) while it runs, or under PP the whole stage's, gathered for the step's micro-batches
+    (zero.py's docstring); the pieces of them are counted in ``params`` too, as a run holds both."""
+    dense, expert = shards(model, lo)
+    if lo.pp > 1:
+        return (dense + expert) * weight_bytes
+    block = model.parameters - gpt_parameters(0, model.hidden, model.vocab, model.seq, model.bias, model.tied)
+    return block / model.layers / lo.tp * weight_bytes
 
 
 def estimate(model: ModelSpec, cluster: Cluster, layout: Layout, itemsize: int = ACTIVATION_BYTES) -> dict:
