@@ -398,8 +398,9 @@ MUTANTS += [
         "zero2_waits_for_each_reduce_scatter",
         "3.2",
         A3,
-        "        self.pending.append((s, self._reduce_scatter(s, async_op=True)))",
-        "        self.pending.append((s, self._reduce_scatter(s, async_op=True)))\n        self.pending[-1][1].wait()",
+        "        self.pending.append((s, self._reduce_scatter(s, async_op=True)))\n        p.grad = None",
+        "        self.pending.append((s, self._reduce_scatter(s, async_op=True)))\n        self.pending[-1][1].wait()\n"
+        "        p.grad = None",
         "overlap|async|during backward",
     ),
     M(
