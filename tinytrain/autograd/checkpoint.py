@@ -109,6 +109,10 @@ class _Segment:
 class _Recompute(Function):
     """The segment as one step of the graph; its output is an empty handle the real outputs hang on."""
 
+    # Its backward is the whole segment's (weights included) in one inner backward: a split
+    # backward (engine.backward_inputs) runs it whole in B, so its weight gradients come with B.
+    split_backward = False
+
     @staticmethod
     def forward(ctx, anchor, *arrays, segment):
         ctx.segment = segment
