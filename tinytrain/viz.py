@@ -89,20 +89,22 @@ def plot_expert_load(metrics: dict, path, experts_per_rank: int | None = None) -
 # --------------------------------------------------------------------------------------------
 # Pipeline schedules: Gantt charts and activation memory
 #
-# A pipeline event is a tuple (stage, kind, microbatch, chunk, start, end) with kind "F" or "B";
+# A pipeline event is a tuple (stage, kind, microbatch, chunk, start, end) with kind "F", "B" or
+# "W" (a zero-bubble schedule's weight-gradient pass);
 # simulator timelines give them with ``Timeline.rows()``, real runs with ``pipeline_events(spans)``.
 
 
 def pipeline_events(spans: list) -> list:
     """Pipeline events from trace spans (``cat`` "forward"/"backward"), start times from 0 in ms."""
-    rows = [s for s in spans if s["cat"] in ("forward", "backward")]
+    kinds = {"forward": "F", "backward": "B", "weights": "W"}
+    rows = [s for s in spans if s["cat"] in kinds]
     if not rows:
         raise ValueError("the trace has no forward/backward spans: was it recorded with tracing on?")
     t0 = min(s["start"] for s in rows)
     return [
         (
             s["rank"],
-            "F" if s["cat"] == "forward" else "B",
+            kinds[s["cat"]],
             s["args"]["microbatch"],
             s["args"].get("chunk", 0),
             (s["start"] - t0) / 1e3,
@@ -163,8 +165,9 @@ def exposed_time(spans: list, windows: list, is_comm, is_compute) -> float:
 def plot_pipeline(
     events: list, ax=None, title: str | None = None, formula: float | None = None, path=None, unit_ms: bool = False
 ):
-    """A Gantt chart: one row per stage, forward (solid) and backward (hatched) blocks coloured by
-    micro-batch and labelled ``F3`` / ``B3`` (``.c`` for chunk c), white gaps are the bubbles."""
+    """A Gantt chart: one row per stage, forward (solid), backward (hatched) and weight-gradient
+    (dotted) blocks coloured by micro-batch and labelled ``F3`` / ``B3`` / ``W3`` (``.c`` for chunk
+    c), white gaps are the bubbles."""
     own = ax is None
     if own:
         fig, ax = plt.subplots(figsize=(10, 0.6 * (1 + len({e[0] for e in events})) + 0.8), dpi=120)
@@ -177,8 +180,8 @@ def plot_pipeline(
             left=start,
             height=0.8,
             color=colours(mb % colours.N),
-            alpha=1.0 if kind == "F" else 0.55,
-            hatch=None if kind == "F" else "//",
+            alpha={"F": 1.0, "B": 0.55, "W": 0.3}[kind],
+            hatch={"F": None, "B": "//", "W": ".."}[kind],
             edgecolor="black",
             linewidth=0.4,
         )

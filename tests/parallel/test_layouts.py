@@ -80,6 +80,9 @@ def run_layout(tmp_path, layout: str, extra=(), key="addition") -> None:
         "--pp 2 --dp 2 --schedule gpipe",
         "--pp 2 --tp 2 --sp",
         "--pp 2 --tp 2 --schedule interleaved --chunks 2 --microbatches 4",
+        "--pp 4 --schedule zb-h1",
+        "--pp 2 --dp 2 --zero 1 --schedule zb-h1",
+        "--pp 2 --tp 2 --sp --schedule zb-h1",
     ],
 )
 def test_four_rank_layouts_lie_on_the_serial_curve(tmp_path, layout):

@@ -100,7 +100,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--plot", action="store_true", help="also draw what each rank did in the last step (pipeline)")
     par = p.add_argument_group("parallelism (run under mpirun -n N)")
     par.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    par.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b")
+    par.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
+        default="1f1b",
+        help="pipeline schedule; zb-h1: 1F1B with each backward split into B (input) and W (weights)",
+    )
     par.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: 2 x --pp)")
     par.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved schedule)")
     par.add_argument("--dp", type=int, default=1, help="data-parallel replicas")

@@ -40,6 +40,7 @@ from tinytrain.parallel.pipeline.schedules import (
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
+    zb_h1,
 )
 from tinytrain.parallel.pipeline.stage import (
     PipelineStage,
@@ -58,6 +59,7 @@ __all__ = [
     "interleaved_1f1b",
     "make_schedule",
     "one_f_one_b",
+    "zb_h1",
     "recv_activation",
     "recv_gradient",
     "send_activation",
