@@ -44,6 +44,7 @@ from assignments.a5_pipeline.schedules import (
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
+    zb_h1,
 )
 from assignments.a5_pipeline.stage import (
     PipelineStage,
@@ -62,6 +63,7 @@ __all__ = [
     "interleaved_1f1b",
     "make_schedule",
     "one_f_one_b",
+    "zb_h1",
     "recv_activation",
     "recv_gradient",
     "send_activation",

@@ -536,6 +536,7 @@ MUTANTS += [
 
 _PM = A5 + "messages.py"
 _PS = A5 + "schedules.py"
+_PE = A5 + "executor.py"
 MUTANTS += [
     M(
         "received_activation_without_grad",
@@ -601,6 +602,39 @@ MUTANTS += [
         'chunk if kind == "F" else chunks - 1 - chunk',
         "chunk",
         "interleaved|chunk",
+    ),
+    M(
+        "split_b_runs_the_whole_backward",
+        "5.5",
+        _PE,
+        "self.weight_work[(mb, chunk)] = backward_inputs(out, [leaf] if leaf is not None else [], grad)",
+        "out.backward(grad)\n                self.weight_work[(mb, chunk)] = lambda: None",
+        "first W|weight gradients to W",
+    ),
+    M(
+        "split_w_never_runs_its_work",
+        "5.5",
+        _PE,
+        "            self.weight_work.pop((mb, chunk))()",
+        "            self.weight_work.pop((mb, chunk))",
+        "no gradient|every W",
+    ),
+    M(
+        "zb_h1_runs_w_right_after_b",
+        "5.6",
+        _PS,
+        'if a.kind == "B" and a.microbatch >= s:\n                split.append(Action("W", a.microbatch - s))',
+        'if a.kind == "B":\n                split.append(Action("W", a.microbatch))',
+        "bubble|hold|zero-bubble",
+        more=(("range(max(0, microbatches - s), microbatches)", "range(0)"),),
+    ),
+    M(
+        "zb_h1_forgets_the_last_weight_pass",
+        "5.6",
+        _PS,
+        "range(max(0, microbatches - s), microbatches)",
+        "range(max(0, microbatches - s), microbatches - 1)",
+        "split|W",
     ),
 ]
 

@@ -123,12 +123,12 @@ class PipelineStep:
             grad = recv_gradient(out, st.peer(k + 1), message_tag(mb, k, st.n_virtual, True), st.group)
         leaf = self.received.pop((mb, chunk)) if k > 0 else None
         with trace.span(f"B{mb}", cat="backward", microbatch=mb, chunk=chunk):
-            # BEGIN SOLUTION 5.5 "Under a split schedule this pass computes only the gradient the previous stage waits for, and keeps the rest of the backward, per micro-batch and chunk, for its W." full="split: self.weight_work[(mb, chunk)] = backward_inputs(out, [leaf] or [] on virtual stage 0, grad); else out.backward(grad)."
             if self.split:
+                # BEGIN SOLUTION 5.5 "Compute only the gradient the previous stage waits for, and keep the rest of this backward, per micro-batch and chunk, for its W." full="self.weight_work[(mb, chunk)] = backward_inputs(out, [leaf], grad), with no inputs on virtual stage 0."
                 self.weight_work[(mb, chunk)] = backward_inputs(out, [leaf] if leaf is not None else [], grad)
+                # END SOLUTION
             else:
                 out.backward(grad)
-            # END SOLUTION
         if leaf is not None:
             self.pending.append(
                 send_gradient(leaf, st.peer(k - 1), message_tag(mb, k - 1, st.n_virtual, True), st.group)
