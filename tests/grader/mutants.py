@@ -659,6 +659,30 @@ MUTANTS += [
         "scale=1.0",
         "aux|load|router",
     ),
+    M(
+        "gate_ignores_the_routing_bias",
+        "6.1",
+        _ER,
+        "experts = top_k(moe.selection_scores(to_host(probs.data)), k)",
+        "experts = top_k(to_host(probs.data), k)",
+        "routing bias",
+    ),
+    M(
+        "bias_moves_with_the_load",
+        "6.5",
+        _ER,
+        "numpy.sign(load.mean() - load)",
+        "numpy.sign(load - load.mean())",
+        "route_bias|mean",
+    ),
+    M(
+        "bias_steps_by_the_load_gap",  # proportional, not DeepSeek-V3's fixed-size sign step
+        "6.5",
+        _ER,
+        "numpy.sign(load.mean() - load)",
+        "(load.mean() - load)",
+        "route_bias|rate",
+    ),
     M("capacity_admits_one_too_many", "6.2", _ER, "< capacity", "<= capacity", "drop|capacity|kept"),
     M(
         "capacity_ignores_lower_ranks",

@@ -87,6 +87,7 @@ MOE = "--experts 4 --dropout 0 --capacity-factor 1.0"  # experts split over EP r
         ("--cp 2 --tp 2", "", ""),
         ("--dp 2 --ep 2", "", MOE),
         ("", "--ep 4", MOE),
+        ("--dp 2 --ep 2", "", MOE + " --balance bias --bias-rate 0.01"),  # the routing bias resumes too
     ],
     ids=[
         "dp2tp2-to-pp4",
@@ -101,6 +102,7 @@ MOE = "--experts 4 --dropout 0 --capacity-factor 1.0"  # experts split over EP r
         "cp2tp2-to-serial",
         "dp2ep2-to-serial",
         "serial-to-ep4",
+        "dp2ep2-bias-to-serial",
     ],
 )
 def test_resume_under_another_layout_stays_on_the_serial_curve(tmp_path, monkeypatch, first, then, model):

@@ -51,6 +51,7 @@ from tinytrain.distributed.choice import is_stub
 from tinytrain.nn.moe import moe_step_stats, summarize_stats
 from tinytrain.nn.recompute import apply_recompute, recomputed_attention
 from tinytrain.optim import clip_grad_norm_, grads_finite
+from tinytrain.parallel.expert_parallel.routing import balance_experts
 from tinytrain.parallel.plan import Plan
 from tinytrain.parallel.wrapper import average_op
 
@@ -277,6 +278,7 @@ class ParallelModel:
             self.zero.step(optimizer)
         else:
             optimizer.step()
+        balance_experts(self.model)  # --balance bias: from the whole batch's load, alike on every rank
 
     def found_inf(self) -> bool:
         """Does a gradient on any rank hold an inf or NaN (fp16 loss scaling)? Every rank must skip

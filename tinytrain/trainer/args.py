@@ -70,6 +70,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="> 0: an expert takes at most capacity-factor x (its fair share) of assignments; the rest are dropped",
     )
     model.add_argument("--aux-loss-weight", type=float, default=0.01, help="weight of the load-balancing loss")
+    model.add_argument(
+        "--balance",
+        choices=("aux", "bias", "none"),
+        default="aux",
+        help="balancing experts: the aux loss, DeepSeek-V3's loss-free routing bias, or neither",
+    )
+    model.add_argument(
+        "--bias-rate", type=float, default=1e-3, help="--balance bias: how far one step moves an expert's bias"
+    )
     opt = p.add_argument_group("optimization")
     opt.add_argument("--steps", type=int, default=600)
     opt.add_argument("--batch-size", type=int, default=64, help="global batch (sequences per step)")
@@ -211,6 +220,10 @@ def check_model_flags(args) -> None:
         raise ValueError(f"--experts must be 0 (a dense MLP) or positive, got {args.experts}")
     if args.experts and args.topk is not None and not 1 <= args.topk <= args.experts:
         raise ValueError(f"--topk {args.topk} must be between 1 and --experts {args.experts}")
+    if args.balance != "aux" and not args.experts:
+        raise ValueError(f"--balance {args.balance} balances experts: it needs --experts N")
+    if args.balance == "bias" and not args.bias_rate > 0:
+        raise ValueError(f"--bias-rate must be positive with --balance bias, got {args.bias_rate}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -305,6 +318,8 @@ def build_model(args, dataset) -> GPT:
         moe_top_k=args.topk if args.topk is not None else (min(2, args.experts) if args.experts else 2),
         moe_capacity_factor=args.capacity_factor,
         moe_aux_weight=args.aux_loss_weight,
+        moe_balance=args.balance,
+        moe_bias_rate=args.bias_rate,
     )
     model = GPT(config, seed=args.seed)
     model.dataset_meta = dataset.describe()
