@@ -70,6 +70,7 @@ def plot_expert_load(metrics: dict, path, experts_per_rank: int | None = None) -
     xs = [s["step"] for s in steps]
     axes[1].plot(xs, [s["moe"]["aux"] for s in steps], label="aux loss")
     axes[1].plot(xs, [s["moe"]["dropped"] for s in steps], label="dropped share")
+    axes[1].plot(xs, [max_over_mean(row) for row in load], label="max / mean load", alpha=0.7)
     axes[1].set_xlabel("step")
     axes[1].legend()
     axes[1].set_title("balance")
@@ -81,6 +82,39 @@ def plot_expert_load(metrics: dict, path, experts_per_rank: int | None = None) -
         axes[2].set_ylabel("share of tokens received")
         axes[2].legend()
         axes[2].set_title("tokens per expert-parallel rank")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def max_over_mean(load) -> float:
+    """The busiest expert's load over the mean load: 1 when balanced, E when one expert takes all."""
+    load = numpy.asarray(load, dtype=float)
+    return float(load.max() / max(load.mean(), 1e-12))
+
+
+def compare_expert_balance(runs: dict, path, window: int = 20) -> None:
+    """Several runs' ``metrics.json`` (name -> metrics, e.g. ``--balance aux``, ``bias``, ``none``
+    on one seed): max / mean expert load per step (a ``window``-step running mean) and the loss."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=120)
+    for name, metrics in runs.items():
+        steps = [s for s in metrics["steps"] if "moe" in s]
+        if not steps:
+            raise ValueError(f"{name}: metrics has no 'moe' records: train with --experts")
+        xs = [s["step"] for s in steps]
+        ratio = numpy.array([max_over_mean(s["moe"]["load"]) for s in steps])
+        smooth = numpy.convolve(ratio, numpy.ones(window) / window, mode="valid") if len(ratio) >= window else ratio
+        axes[0].plot(xs[len(xs) - len(smooth) :], smooth, label=name)
+        axes[1].plot(xs, [s["loss"] for s in steps], label=name, alpha=0.8)
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel(f"max / mean load ({window}-step mean)")
+    axes[0].set_title("expert imbalance")
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel("training loss (aux included where trained on)")
+    axes[1].set_title("loss")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
