@@ -23,6 +23,10 @@ count reaches zero the leaf's gradient is complete: it is added to ``leaf.grad``
 post-accumulate hooks fire right then, in the middle of the backward pass. Data parallel training
 uses that moment to start all-reducing a gradient while the rest of backward still runs.
 
+A backward can also run in two phases (``backward_inputs``, below): B, the inputs' gradients,
+now; W, the weight gradients, later, bit for bit the same numbers. Zero-bubble pipeline schedules
+fill their bubbles with the W's.
+
 Bytes saved for backward are counted while alive (``saved_bytes()``): that is the activation
 memory that pipeline and sequence parallel reduce, measured rather than estimated.
 
