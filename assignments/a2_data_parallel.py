@@ -19,7 +19,7 @@
 Averaging the gradients of N equal shards gives the gradient of the mean loss over the whole
 batch, so N ranks with B rows each train exactly like one process with N·B rows.
 
-This chapter builds four versions, in the order a framework grew them:
+This chapter builds six versions, in the order a framework grew them:
 
 1. ``NaiveDDP`` (task 2.1): wait for backward to end, then all-reduce every gradient.
 2. ``BucketedDDP`` (task 2.2): gradients become complete one by one *during* backward (the
@@ -36,7 +36,15 @@ This chapter builds four versions, in the order a framework grew them:
 4. ``ParameterServer`` (task 2.4): the design the ring replaced. One rank holds the parameters and
    the optimizer; the others push their gradients to it and pull the new parameters back. Every
    byte goes through the server: its traffic grows as 2(N-1)·|W| while a ring all-reduce sends
-   2(N-1)/N·|W| per rank, which stays below 2|W| however many ranks join.
+   2(N-1)/N·|W| per rank, which stays below 2|W| however many ranks join. ``SparsePushServer``
+   pushes an embedding's gradient as the rows the batch touched: the server's case for sparse models.
+5. ``AsyncParameterServer`` (task 2.5): no lock-step. The server applies each gradient as it
+   arrives and sends that worker the new parameters at once; a gradient computed on parameters
+   some updates old is *stale* (Dean et al. 2012, Downpour SGD). A bound on staleness (stale
+   synchronous parallel, Ho et al. 2013) trades it back; bound 0 is the synchronous server.
+6. ``LocalSGD`` (task 2.6): communicate less often. Each replica takes H steps alone, then the
+   replicas average how far they moved and an outer optimizer takes that as its gradient
+   (``LocalSGD.diloco``: Nesterov momentum, Douillard et al. 2023). One all-reduce per H steps.
 
 Frozen parameters (``requires_grad=False``) are never communicated. A tied weight (GPT's token
 embedding, also its output head) is one parameter: the engine fires its hook once, after both
@@ -45,7 +53,7 @@ uses have added their gradient, so it is reduced once.
 The all-reduce uses the ring algorithm by default (``algo="ring"``), whose volume per rank is the
 textbook 2(N-1)/N of the buffer; ``algo=None`` lets tinytrain choose by message size.
 
-What all four share with ZeRO (``zero.py``) is in ``wrapper.py``: the ``Wrapper`` around the model
+What all of them share with ZeRO (``zero.py``) is in ``wrapper.py``: the ``Wrapper`` around the model
 (``ddp(x)`` runs it, ``ddp.backward(loss)`` runs backward, then the strategy's communication) and
 helpers on parameter lists (``trainable``, ``grad_or_zeros``, ``flatten``, ``unflatten_into``).
 """
@@ -54,9 +62,15 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy
+
 from tinytrain import distributed as dist
 from tinytrain import trace
+from tinytrain.autograd import Parameter
 from tinytrain.backend import xp
+from tinytrain.distributed import watchdog
+from tinytrain.nn import Embedding
+from tinytrain.optim import SGD, clip_grad_norm_
 from tinytrain.parallel.wrapper import (
     Wrapper,
     average_op,
@@ -197,6 +211,14 @@ class BucketedDDP(_Replicated):
             h.remove()
 
 
+def count_bytes(wrapper, communicate, *ops) -> None:
+    """Run ``communicate()`` and add the bytes this rank sent and received in ``ops`` to ``wrapper.moved``
+    (what ``tinytrain train --dp-algo`` reports per step, against the formula)."""
+    with dist.comm_stats() as stats:
+        communicate()
+    wrapper.moved += sum(stats.sent(op) + stats.recv(op) for op in ops)
+
+
 # ================================================================================================
 # 3. Parameter server: push gradients to one rank, pull parameters back
 # ================================================================================================
@@ -212,9 +234,11 @@ class ParameterServer(Wrapper):
         ...                   │  of all g_i, then │   ...
         worker N-1 ─push ────►┘  optimizer.step() └──pull W──► worker N-1
 
-    The server also trains on its own rows, so the result equals the serial run. Only the server
-    ever creates optimizer state. Its link carries (N-1) gradients in and (N-1) copies of the
-    parameters out per step: the bottleneck that all-reduce removes.
+    ``step`` pushes, updates on the server and pulls (``clip_grad_norm_`` pushes first, to clip
+    the whole batch's gradient where it is: on the server). The server also trains on its own
+    rows, so the result equals the serial run. Only the server ever creates optimizer state. Its
+    link carries (N-1) gradients in and (N-1) copies of the parameters out per step, 2(N-1)·Ψ: the
+    bottleneck that all-reduce removes.
     """
 
     def __init__(self, module, optimizer, server: int = 0, group=None):
@@ -223,18 +247,251 @@ class ParameterServer(Wrapper):
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.params = trainable(module)
         self._pull()  # everyone starts from the server's parameters
+        self.moved, self.steps = 0, 0  # bytes this rank sent and received for it since, and its steps
+        self.pushed = False  # clip_grad_norm_ pushed this step's gradients already
 
     @property
     def workers(self) -> list[int]:
         return [r for r in range(self.world_size) if r != self.server]
 
     def step(self) -> None:
-        """Push gradients, update on the server, pull parameters (replaces ``optimizer.step()``)."""
-        self._push_and_update()
-        self._pull()
+        """Push gradients, update on the server, pull parameters (replaces ``optimizer.step()``).
+        Gradients accumulate locally until then: several backward passes push once."""
+        if not self.pushed:
+            count_bytes(self, self._push_and_average, "send", "recv")
+        if self.rank == self.server:
+            self.optimizer.step()
+        count_bytes(self, self._pull, "send", "recv")
+        self.pushed, self.steps = False, self.steps + 1
 
-    def _push_and_update(self) -> None:
-        raise NotImplementedError("TODO 2.4: Gradients from all the others are pushed to the central process, which adds them to its own in a fixed order (not arrival order), averages, and alone updates the parameters.")
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the whole batch's gradient, which only the server has: push now (``step`` then does
+        not push again). Returns its norm before clipping on the server, a worker's own elsewhere."""
+        count_bytes(self, self._push_and_average, "send", "recv")
+        self.pushed = True
+        if self.rank == self.server:
+            return clip_grad_norm_(self.params, max_norm)
+        return clip_grad_norm_(self.params, 0.0)  # (max_norm 0: measures, clips nothing)
+
+    def _push_and_average(self) -> None:
+        raise NotImplementedError("TODO 2.4: Gradients from all the others are pushed to the central process, which adds them to its own in a fixed order (not arrival order) and averages: its gradients are then the whole batch's.")
 
     def _pull(self) -> None:
         raise NotImplementedError("TODO 2.4: The central process hands its current parameters to all the others, which overwrite theirs with them, so every copy starts the next iteration equal.")
+
+
+_ROWS = 25  # tag of a sparse push (its row count, indices and rows)
+
+
+class SparsePushServer(ParameterServer):
+    """A parameter server whose workers push an embedding's gradient as the rows their batch
+    touched (Li et al. 2014: the parameter server's case for sparse models)::
+
+        dense push     every row of the V x D table            V·D·4 bytes
+        sparse push    k = rows touched, then their indices and rows     8 + k·(8 + D·4) bytes
+
+    An untied token embedding gets gradient only in the rows of the tokens its batch holds; the
+    server adds the rows into its own (dense) gradient, in rank order, so the numbers are the
+    dense server's exactly. A table whose gradient is dense (tied to the output head: every row)
+    is pushed dense (its sparse push would be larger).
+    """
+
+    def __init__(self, module, optimizer, server: int = 0, group=None):
+        super().__init__(module, optimizer, server, group)
+        tables = {id(m.weight) for m in module.modules() if isinstance(m, Embedding)}
+        self.sparse = [p for p in self.params if id(p) in tables]
+        self.dense = [p for p in self.params if id(p) not in tables]
+        self.table_bytes = 0  # bytes this rank pushed for its embedding tables
+
+    def _push_and_average(self) -> None:
+        grads = flatten([grad_or_zeros(p) for p in self.dense])
+        if self.rank != self.server:
+            dist.send(grads, self.server, group=self.group, tag=_PUSH)
+            for p in self.sparse:
+                self._push_rows(grad_or_zeros(p))
+            return
+        incoming = {w: xp.empty_like(grads) for w in self.workers}
+        for w in self.workers:
+            dist.recv(incoming[w], w, group=self.group, tag=_PUSH)
+        for w in self.workers:  # in rank order, as the dense server adds them
+            grads += incoming[w]
+        unflatten_into(grads / self.world_size, [p.grad for p in self.dense])
+        for p in self.sparse:
+            total = grad_or_zeros(p)
+            for w in self.workers:
+                self._add_rows(total, w)
+            total /= self.world_size
+
+    def _push_rows(self, grad) -> None:
+        """A worker: the touched rows (nonzero gradient) with their indices, or the whole table."""
+        rows = xp.flatnonzero(xp.any(grad != 0, axis=1))
+        sparse = 8 + rows.size * (8 + grad[0].nbytes) < grad.nbytes
+        header = xp.asarray([rows.size if sparse else -1], dtype=xp.int64)
+        parts = [header, rows.astype(xp.int64), xp.ascontiguousarray(grad[rows])] if sparse else [header, grad]
+        for part in parts:
+            dist.send(part, self.server, group=self.group, tag=_ROWS)
+            self.table_bytes += part.nbytes
+
+    def _add_rows(self, total, worker: int) -> None:
+        """The server: add a worker's pushed rows (or whole table) into ``total``."""
+        header = dist.recv(xp.zeros(1, dtype=xp.int64), worker, group=self.group, tag=_ROWS)
+        count = int(header[0])
+        if count < 0:
+            total += dist.recv(xp.empty_like(total), worker, group=self.group, tag=_ROWS)
+            return
+        rows = dist.recv(xp.empty(count, dtype=xp.int64), worker, group=self.group, tag=_ROWS)
+        values = dist.recv(xp.empty((count, total.shape[1]), dtype=total.dtype), worker, group=self.group, tag=_ROWS)
+        total[rows] += values  # rows are distinct: no two values land in one row
+
+
+# ================================================================================================
+# 4. Asynchronous parameter server: apply each gradient as it arrives
+# ================================================================================================
+
+_ASYNC_PUSH, _ASYNC_PULL = 23, 24  # message tags
+
+
+class AsyncParameterServer(ParameterServer):
+    """The server applies each gradient the moment it arrives and sends that worker the new
+    parameters at once; the workers never wait for each other's gradients::
+
+        version  v        v+1           v+2           v+3
+        server   ●─own g──●──g_2 (from v-1)──●──g_1 (from v-2)──●──g_3 ...   one update per push
+        worker 2      push g_2 ──► ◄── pull W_(v+2)
+        worker 1               push g_1 ──► ◄── pull W_(v+3)
+
+    A worker's gradient was computed on the parameters it last pulled; the updates the server applied
+    since are its **staleness** (versions behind), recorded for every gradient (``staleness``).
+    ``max_staleness=k`` bounds it (stale synchronous parallel): an update is held back while it
+    would leave a worker's next gradient more than k versions behind, and the gradients that came
+    meanwhile are averaged into one update. k = 0 waits for every gradient: synchronous PS exactly.
+
+    ``order="arrival"`` serves gradients as MPI delivers them (not reproducible); ``"seeded"`` serves
+    the workers in an order drawn from (seed, step): the asynchrony a test can replay. The server
+    trains on its own rows too (its gradient is never stale) and clips every update by
+    ``max_norm``. Per step each worker pushes Ψ and pulls Ψ: the server's link carries 2(N-1)·Ψ,
+    as the synchronous server's does. A worker that died ends the server's wait with the
+    watchdog's error naming it, within the deadline.
+    """
+
+    def __init__(self, module, optimizer=None, server=0, group=None, max_staleness=None, order="arrival", seed=0):
+        if order not in ("arrival", "seeded"):
+            raise ValueError(f"order must be 'arrival' or 'seeded', got {order!r}")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be 0 or more (or None: unbounded), got {max_staleness}")
+        Wrapper.__init__(self, module)  # (not the synchronous server's: it needs no task 2.4 to start)
+        self.optimizer, self.server, self.group = optimizer, server, group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.params = trainable(module)
+        broadcast_parameters(module, src=server, group=group)  # everyone starts from the server's parameters
+        self.moved = 0  # bytes this rank sent and received for it
+        self.max_staleness, self.order, self.seed = max_staleness, order, seed
+        self.max_norm = None  # clip every update's gradient to this norm (set by the runner)
+        self.version = 0  # updates the server has applied
+        self.pulled = [0] * self.world_size  # the version each rank's parameters have (server's view)
+        self.staleness: list[int] = []  # versions behind, of every gradient applied, in order
+        self.steps = 0
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Remember ``max_norm`` for the server's updates; returns this rank's own gradient norm."""
+        self.max_norm = max_norm
+        return float(xp.sqrt(sum(float((grad_or_zeros(p).astype(xp.float64) ** 2).sum()) for p in self.params)))
+
+    def step(self) -> None:
+        self.steps += 1
+        count_bytes(self, self._push_and_pull if self.rank != self.server else self._serve, "send", "recv")
+
+    def _push_and_pull(self) -> None:
+        """A worker: push my gradient, wait for the parameters the server sends back (mine applied)."""
+        dist.send(flatten([grad_or_zeros(p) for p in self.params]), self.server, group=self.group, tag=_ASYNC_PUSH)
+        flat = xp.empty(sum(p.size for p in self.params), dtype=self.params[0].dtype)
+        dist.recv(flat, self.server, group=self.group, tag=_ASYNC_PULL)
+        unflatten_into(flat, [p.data for p in self.params])
+
+    def _serve(self) -> None:
+        """The server: one gradient from every rank this step, each applied as soon as allowed."""
+        own = flatten([grad_or_zeros(p) for p in self.params])
+        self.pulled[self.server] = self.version  # my gradient is of the current parameters
+        incoming = {w: xp.empty_like(own) for w in self.workers}
+        handles = {w: dist.irecv(buf, w, group=self.group, tag=_ASYNC_PUSH) for w, buf in incoming.items()}
+        arrived, replies = {self.server: own}, []
+        self._apply_if_allowed(arrived, replies)
+        for w in self._arrivals(handles):
+            arrived[w] = incoming[w]
+            self._apply_if_allowed(arrived, replies)
+        with trace.span("wait_replies", cat="idle"):
+            for h in replies:
+                h.wait()
+
+    def _arrivals(self, handles):
+        """The workers, each once, in the order their gradients are served."""
+        if self.order == "seeded":
+            rng = numpy.random.default_rng([self.seed, self.steps])
+            for w in rng.permutation(self.workers).tolist():
+                handles[w].wait()
+                yield w
+            return
+        left = dict(handles)
+        while left:
+            group = self.group if self.group is not None else dist.world()
+            watchdog.wait_until(  # the deadline, and a dead worker named, as every wait in tinytrain
+                lambda: any(h.test() for h in left.values()),
+                lambda: f"recv of gradients (asynchronous parameter server) on {group.describe()}",
+                lambda: [("recv from", group.world_rank(w)) for w in left],
+            )
+            for w in [w for w, h in left.items() if h.test()]:  # rank order among those arrived together
+                del left[w]
+                yield w
+
+    def _apply_if_allowed(self, arrived: dict, replies: list) -> None:
+        raise NotImplementedError("TODO 2.5: Hold the gradients back while applying them would leave the next gradient of a rank that has not pushed more than the bound behind; otherwise average what arrived (in rank order) into one update, record how stale each was, step, and send each worker whose gradient was in it the new parameters.")
+
+
+# ================================================================================================
+# 5. Local SGD and DiLoCo: H steps alone, then average how far the replicas moved
+# ================================================================================================
+
+
+class LocalSGD(Wrapper):
+    """Every replica takes ``local_steps`` (H) optimizer steps on its own rows without talking, then
+    the replicas average their parameter deltas and an outer optimizer moves the shared start::
+
+        θ (the same on every rank) ─► rank r: H inner steps ─► θ_r
+        Δ = all_reduce(avg) of (θ - θ_r)         one all-reduce of Ψ per H steps, not per step
+        θ ← outer_step(θ, Δ)  (Δ is the outer "gradient"), every rank starts again from θ
+
+    Outer SGD with lr 1 and no momentum is θ ← mean of θ_r: plain local SGD (parameter averaging);
+    with H = 1 and an inner SGD it is synchronous data parallel (the update is linear in the
+    gradient). DiLoCo (Douillard et al. 2023) takes an inner AdamW and an outer Nesterov momentum,
+    lr 0.7, momentum 0.9: its published settings, the defaults of ``diloco()``. The inner
+    optimizer's state stays each replica's own across rounds; the outer one's is the same on all.
+    """
+
+    def __init__(self, module, local_steps: int, outer_lr=1.0, outer_momentum=0.0, nesterov=False, group=None):
+        if local_steps < 1:
+            raise ValueError(f"local_steps must be at least 1, got {local_steps}")
+        super().__init__(module)
+        self.local_steps, self.group, self.optimizer = local_steps, group, None
+        broadcast_parameters(module, group=group)
+        self.params = trainable(module)
+        self.start = Parameter(flatten([p.data for p in self.params]))  # θ of the last round, flat
+        self.outer = SGD([self.start], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+        self.inner_steps = self.moved = 0  # steps taken, bytes sent and received for the averages
+
+    @property
+    def steps(self) -> int:
+        return self.inner_steps
+
+    @classmethod
+    def diloco(cls, module, local_steps: int, group=None) -> LocalSGD:
+        return cls(module, local_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, group=group)
+
+    def step(self) -> None:
+        """The inner step (the training loop's optimizer); every H-th, also the outer step."""
+        self.optimizer.step()
+        self.inner_steps += 1
+        if self.inner_steps % self.local_steps == 0:
+            count_bytes(self, self.outer_step, "all_reduce")
+
+    def outer_step(self) -> None:
+        raise NotImplementedError("TODO 2.6: The outer gradient is how far the replicas moved from the shared start, averaged over them in one collective; the outer optimizer moves the start by it, and every replica continues from the new start.")

@@ -10,6 +10,8 @@
     python -m grader report                  # report.md: each assignment's analysis, measured on your code
     python -m grader hints [--level full]    # how much each stub's hint gives away (share of the solution's names)
     python -m grader selfcheck [--suite]     # each task solved alone in a fresh student copy must score in full
+    python -m grader gradescope OUT.zip      # a Gradescope autograder: setup.sh, run_autograder, a student copy
+    python -m grader collect DIR... [--out scores.csv]   # a class's results.json in one table, a column per task
 
 Grading exits 0 whenever it ran (a low score is not an error); 2 for a usage error.
 """
@@ -55,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
         help="where results.json and junit.xml go (default: out/grader, which git ignores)",
     )
     p.add_argument(
+        "--summary",
+        metavar="FILE",
+        help="also append the score table in Markdown to FILE (the GitHub workflow passes $GITHUB_STEP_SUMMARY)",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=GRADER_BUDGET,
@@ -69,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(
         dest="command",
-        metavar="{stubs,release,report}" if is_release() else "{stubs,release,report,mutants,hints,selfcheck}",
+        metavar="{stubs,release,report}"
+        if is_release()
+        else "{stubs,release,report,mutants,hints,selfcheck,gradescope,collect}",
     )
     s = sub.add_parser("stubs", help="regenerate assignments/ from the solution markers in the reference")
     s.add_argument("--check", action="store_true", help="only check: exit 1 with a diff when assignments/ is stale")
@@ -94,6 +103,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--rotate", type=int, metavar="K", help="only K of the chosen tasks, a different K each day (CI)")
     c.add_argument("--solve", nargs="+", metavar="PATTERN", help="one half-done copy: these tasks solved, suite green")
     c.add_argument("--ranks", type=int, default=4, help="MPI ranks (default 4)")
+    g = sub.add_parser("gradescope", help="write a Gradescope autograder zip: setup.sh, run_autograder, a student copy")
+    g.add_argument("out", metavar="OUT.zip", help="the zip to write (must not exist)")
+    g.add_argument("--tasks", nargs="+", metavar="PATTERN", help="what each submission is graded on (default: all)")
+    g.add_argument("--hints", choices=HINT_LEVELS, default="brief", help="the copy's hint level (default brief)")
+    k = sub.add_parser("collect", help="a class's scores: many copies' results.json in one table and CSV")
+    k.add_argument("dirs", nargs="+", metavar="DIR", help="student copies, folders holding results.json, or the files")
+    k.add_argument("--out", metavar="FILE", help="also write the table as CSV (scores.csv)")
     m = sub.add_parser("mutants", help="plant realistic bugs in the reference solutions; every one must be caught")
     m.add_argument("--ci", action="store_true", help="only the representative subset CI runs")
     m.add_argument("--only", nargs="+", metavar="PATTERN", help="only mutants of these tasks (1.* or 2.3)")
@@ -157,6 +173,14 @@ def grade(args) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.summary:
+        try:  # the same: a summary file that cannot be written is told before the tests
+            with open(args.summary, "a"):
+                pass
+        except OSError as exc:
+            why = f"cannot be written ({exc.strerror}); choose another file"
+            print(f"error: --summary {args.summary} {why}", file=sys.stderr)
+            return 2
     if not (shutil.which("mpirun") or shutil.which("mpiexec")):
         print(
             "error: mpirun not found: activate the virtual environment you installed into (. .venv/bin/activate), "
@@ -200,6 +224,9 @@ def grade(args) -> int:
     for p in problems:
         print(f"\nproblem: {p}")
     res, junit = report.write_results(scores, Path(args.out), problems + list(dict.fromkeys(refused.values())))
+    if args.summary:
+        with open(args.summary, "a") as f:  # GitHub's summary file may hold earlier steps' text
+            f.write(f"## tinytrain grader\n\n{report.markdown(scores)}")
     print(f"\n{time.monotonic() - start:.0f} s; wrote {res} and {junit}")
     return 0
 
@@ -231,6 +258,14 @@ def main(argv=None) -> int:
         from .hints import main as hints_main
 
         return hints_main(args.level)
+    if args.command == "gradescope":
+        from .gradescope import main as gradescope_main
+
+        return gradescope_main(args.out, args.tasks, args.hints)
+    if args.command == "collect":
+        from .collect import main as collect_main
+
+        return collect_main(args.dirs, args.out)
     if args.command == "selfcheck":
         from .selfcheck import main as selfcheck_main
 

@@ -67,6 +67,12 @@ QUESTIONS = {
         "Which of the two can overlap its communication with attention, and why does the zigzag split "
         "matter for the ring but not for all-to-all?",
     ],
+    "8": [
+        "How many bytes does a block keep under each recompute mode, and which arrays does selective "
+        "recompute drop? At what sequence length would they dominate full recompute's saving here?",
+        "Mixed precision keeps AdamW's 16 bytes per parameter (2 + 2 + 12 against 4 + 4 + 8): what does "
+        "it save, then, and why must the masters be float32?",
+    ],
 }
 
 
@@ -166,6 +172,11 @@ def section(a: str, figures: dict) -> list[str]:
             [[r["algo"], r["sent_total"], r["formula_total"], _check(r["sent_total"], r["formula_total"]),
               f"{r['ms']:.1f}"] for r in rows],
         )  # fmt: skip
+    if a == "8":
+        return _table(
+            ["what", "measured", "formula", "check"],
+            [[r["what"], r["got"], r["formula"], _check(r["got"], r["formula"])] for r in rows],
+        )
     return []
 
 

@@ -47,6 +47,11 @@ class Assignment:
     ``tinytrain/parallel/tensor_parallel/``) is an assignment of several files, paired in order:
     ``references[i]`` becomes ``files[i]``; the first pair is the packages' ``__init__.py``, so
     ``impl.<name>`` is the package and exposes the same names as the reference package.
+
+    A subject whose code lives in several places of the framework (memory: ``autograd/checkpoint.py``
+    and ``optim.py``) has a *front* module first instead of a package's ``__init__.py``
+    (``tinytrain/memory.py``), which imports the names of the others; it becomes the assignment
+    package's ``__init__.py`` and ``impl.<name>`` is the front module (reference) or the package.
     """
 
     id: str
@@ -79,6 +84,14 @@ class Assignment:
         return module_name(self.reference)
 
     @property
+    def reference_modules(self) -> tuple[str, ...]:
+        """The modules the assignment replaces: the reference (a package covers its files), or with
+        a front module, the front and each file it imports from."""
+        if self.reference in self.references and len(self.references) > 1:
+            return tuple(module_name(r) for r in self.references)
+        return (self.reference_module,)
+
+    @property
     def module(self) -> str:
         return module_name(self.file)
 
@@ -90,7 +103,10 @@ class Assignment:
 
 
 def _entry(paths: tuple[str, ...]) -> str:
-    return paths[0] if len(paths) == 1 else paths[0].rpartition("/")[0]
+    """One file; a package's folder; or a front module (several files, the first no __init__.py)."""
+    if len(paths) == 1 or not paths[0].endswith("/__init__.py"):
+        return paths[0]
+    return paths[0].rpartition("/")[0]
 
 
 def module_name(path: str) -> str:
@@ -103,13 +119,15 @@ def _paths(entry, key: str, where: str) -> tuple[str, ...]:
     paths = (entry,) if isinstance(entry, str) else tuple(entry)
     if not paths or not all(isinstance(p, str) and p.endswith(".py") for p in paths):
         raise ValueError(f"{where}: {key} must be a .py path or a list of them, got {entry!r}")
+    if len(paths) > 1 and key == "reference" and not paths[0].endswith("/__init__.py"):
+        return paths  # a front module and the files whose names it imports, anywhere in the framework
     if len(paths) > 1:
         package = paths[0].removesuffix("/__init__.py")
         if not paths[0].endswith("/__init__.py") or not all(p.startswith(package + "/") for p in paths):
             raise ValueError(
                 f"{where}: a {key} of several files is a package: list its __init__.py first, "
                 f"then its other files ({paths[0]} is not a __init__.py, or a file is outside "
-                f"{package}/)"
+                f"{package}/)" + (", or a front module first, then the files it imports from" * (key == "reference"))
             )
     return paths
 

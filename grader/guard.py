@@ -82,16 +82,30 @@ def problems(a: Assignment, root: Path = ROOT, path: Path | None = None) -> list
 
 
 def _file_problems(a: Assignment, path: Path, shown: str, reexported: set[str]) -> list[str]:
-    ref_mod = a.reference_module  # a package's name covers its modules: ref_mod + ".layers"
-    package, _, leaf = ref_mod.rpartition(".")
     named = {a.reference, *a.references, *a.renames}  # the reference's files and modules, by name
     try:
         tree = ast.parse(path.read_text(), str(path))
     except SyntaxError:
         return []  # not a refusal: the graded tests will report the syntax error with its line
-    found, aliases = [], set()  # aliases: local names bound to the package (e.g. `dist`)
-    # Comparing with the name is fine (`__name__ == "tinytrain.distributed.collectives"`).
+    found = []
+    for ref_mod in a.reference_modules:  # a package's name covers its modules: ref_mod + ".layers"
+        found += _module_problems(tree, ref_mod, shown, reexported)
     compared = {id(n) for c in ast.walk(tree) if isinstance(c, ast.Compare) for n in [c.left, *c.comparators]}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in named and id(node) not in compared:
+            what = f"names the reference module {node.value!r} (to import it by name?)"
+        elif isinstance(node, ast.Attribute) and node.attr in MPI_COLLECTIVES:
+            what = f"calls MPI's own collective .{node.attr}(); write it from point-to-point messages"
+        else:
+            continue
+        found.append((node.lineno, f"{shown}:{node.lineno}: {what}"))
+    return [text for _, text in sorted(set(found))]
+
+
+def _module_problems(tree: ast.Module, ref_mod: str, shown: str, reexported: set[str]) -> list[tuple[int, str]]:
+    """Where ``tree`` imports ``ref_mod`` (or one of its names through its package)."""
+    package, _, leaf = ref_mod.rpartition(".")
+    found, aliases = [], set()  # aliases: local names bound to the package (e.g. `dist`)
 
     def bad(node, what):
         found.append((node.lineno, f"{shown}:{node.lineno}: {what}"))
@@ -117,10 +131,6 @@ def _file_problems(a: Assignment, path: Path, shown: str, reexported: set[str]) 
                 for al in node.names:
                     if ".".join(filter(None, [mod, al.name])) == package:
                         aliases.add(al.asname or al.name)
-        elif isinstance(node, ast.Constant) and node.value in named and id(node) not in compared:
-            bad(node, f"names the reference module {node.value!r} (to import it by name?)")
-        elif isinstance(node, ast.Attribute) and node.attr in MPI_COLLECTIVES:
-            bad(node, f"calls MPI's own collective .{node.attr}(); write it from point-to-point messages")
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Attribute)
@@ -129,7 +139,7 @@ def _file_problems(a: Assignment, path: Path, shown: str, reexported: set[str]) 
             and (node.attr == leaf or node.attr in reexported)
         ):
             bad(node, f"uses {node.value.id}.{node.attr} from {package}, which is the reference's")
-    return [text for _, text in sorted(set(found))]
+    return found
 
 
 def check(a: Assignment, root: Path = ROOT, path: Path | None = None) -> None:

@@ -31,6 +31,7 @@ Loaded by the root ``conftest.py`` next to the MPI harness (``grader/mpi_plugin.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import importlib
 import importlib.util
@@ -162,7 +163,25 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture
 def impl(request):
-    return Impl(request.param, request.config.getoption("--assignments"), task_of(request.node))
+    task = task_of(request.node)
+    with _required_elsewhere(request.param, task):
+        yield Impl(request.param, request.config.getoption("--assignments"), task)
+
+
+def _required_elsewhere(kind: str, task: str | None):
+    """In a student copy, a test of ``task`` that runs framework code calling another assignment's
+    reference (ZeRO-3's layers recompute with 8.1's ``checkpoint``) finds a stub there: for the test,
+    tinytrain runs the student's code of the tasks it requires from other assignments instead
+    (``assignments/``, also under ``--assignments``). Elsewhere the reference is whole: nothing."""
+    if not (is_release() and kind == "assignments" and task in _rubric.tasks):
+        return contextlib.nullcontext()
+    own = _rubric.tasks[task].assignment
+    others = [t for t in _rubric.closure([task]) if _rubric.tasks[t].assignment != own]
+    if not others:
+        return contextlib.nullcontext()
+    from assignments.use import tasks_in_use
+
+    return tasks_in_use(others)
 
 
 # --- selection: task markers, --tasks, reference tests in a release --------------------------------

@@ -190,6 +190,50 @@ def context() -> list[dict]:
     return rows
 
 
+def memory() -> list[dict]:
+    """Assignment 8: the bytes one GPT block keeps for backward under each recompute mode (the
+    model with two blocks minus the one with one, as the engine counts them) against the formula,
+    and AdamW's state bytes per parameter in float32 and with 16-bit parameters (the masters)."""
+    from tinytrain import random
+    from tinytrain.autograd import saved_bytes
+    from tinytrain.backend import precision_dtype
+    from tinytrain.nn import GPT, GPTConfig
+    from tinytrain.nn.recompute import apply_recompute
+    from tinytrain.optim import AdamW
+    from tinytrain.parallel import costs
+
+    seq, rows, width, heads = 16, 4, 32, 4
+    x, y = (numpy.random.default_rng(i).integers(0, 16, size=(rows, seq)) for i in range(2))
+
+    def kept(mode, n_layer):
+        config = GPTConfig(vocab_size=16, block_size=seq, n_layer=n_layer, n_head=heads, n_embd=width, dropout=0.1)
+        model = GPT(config, seed=0)
+        apply_recompute(model, mode)
+        random.manual_seed((0, 1))
+        before = saved_bytes()
+        loss = model.loss(x, y)
+        held = saved_bytes() - before
+        loss.backward()
+        return held
+
+    out = []
+    for mode in ("none", "selective", "full"):
+        got = kept(mode, 2) - kept(mode, 1)
+        want = costs.tinytrain_activation_bytes(seq, rows, width, heads, recompute=mode)
+        out.append({"what": f"activation bytes per block, --recompute {mode}", "got": got, "formula": want})
+    for precision, per in (("fp32", 8), ("bf16", 12)):
+        model = GPT(GPTConfig(vocab_size=16, block_size=seq, n_layer=1, n_head=heads, n_embd=width), seed=0)
+        model.to(precision_dtype(precision))
+        params = model.parameters()
+        optimizer = AdamW(params, lr=1e-3)
+        model.loss(x, y).backward()
+        optimizer.step()
+        psi = sum(p.size for p in params)
+        what = f"AdamW state bytes, {precision} parameters ({per}Ψ)"
+        out.append({"what": what, "got": optimizer.state_bytes(), "formula": per * psi})
+    return out
+
+
 SECTIONS = {
     "1": collectives,
     "2": lambda: strategies(["dp"]),
@@ -198,6 +242,7 @@ SECTIONS = {
     "5": lambda: {"bubbles": bubbles(), "steps": strategies(["pp-gpipe", "pp-1f1b", "pp-interleaved"])},
     "6": drops,
     "7": context,
+    "8": memory,
 }
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import sys
 import threading
 import time
@@ -346,11 +347,13 @@ def _agree(item, reports, takes_part: bool) -> None:
     mine = _summary(reports, takes_part)
     everyone = _gather_to_all(mine, f"the other ranks to finish {item.nodeid}")
     failures = [(r,) + f for r, (fails, _) in enumerate(everyone) for f in fails]
-    if failures and all(_is_echo(f[2]) for f in failures):
-        # Only PeerFailures and no rank really failed: the rank that left first skipped (e.g. a
-        # TODO stub). The test is skipped, not failed, and with that rank's reason: a rank that was
-        # still in a collective with it when the notice came never reached the stub itself.
-        _skip_echoes(reports, next((skip for _, skip in everyone if skip), None))
+    skip = next((skip for _, skip in everyone if skip), None)
+    if failures and skip is not None and all(_is_echo(f[2]) for f in failures):
+        # Only PeerFailures, and a rank skipped (e.g. a TODO stub): the test is skipped, not failed,
+        # and with that rank's reason: a rank that was still in a collective with it when the
+        # notice came never reached the stub itself. With no rank skipping, a PeerFailure is a real
+        # failure (a rank that raised inside the test, or told of a failure and went on).
+        _skip_echoes(reports, skip)
         return
     others = [f for f in failures if f[0] != _rank]
     if others:
@@ -360,12 +363,11 @@ def _agree(item, reports, takes_part: bool) -> None:
             rep.longrepr = RankFailures(rep.longrepr, [])
 
 
-def _skip_echoes(reports, skip: tuple | None) -> None:
+def _skip_echoes(reports, skip: tuple) -> None:
     for rep in reports:
         if rep.failed:
-            path, lineno, _ = rep.location
             rep.outcome = "skipped"
-            rep.longrepr = skip or (str(path), (lineno or 0) + 1, "Skipped: another rank skipped this test first")
+            rep.longrepr = skip
 
 
 def _gather_to_all(mine, what: str, limit: float | None = None) -> list:
@@ -414,9 +416,13 @@ def _poll(done, what: str, limit: float | None = None) -> None:
         sleep = min(sleep * 2, _SHORT_SLEEP if waited < _SHORT_WAIT else _LONG_SLEEP)
 
 
+_ECHO = re.compile(r"^(\w+\.)*PeerFailure\b")
+
+
 def _is_echo(message: str) -> bool:
-    """A PeerFailure only repeats another rank's failure: show it as one line, after the cause."""
-    return "PeerFailure" in message
+    """A PeerFailure only repeats another rank's failure: show it as one line, after the cause.
+    Only the exception's own type counts (a message that merely mentions PeerFailure is a cause)."""
+    return bool(_ECHO.match(message))
 
 
 class RankFailures:

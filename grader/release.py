@@ -19,6 +19,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from .classroom import README_SECTION, write_classroom
 from .config import RELEASE_MARKER, ROOT, is_release, load_rubric
 from .stubs import BEGIN, HINT_LEVELS, assignment_texts, released_reference_text
 
@@ -152,7 +153,8 @@ def make_release(out: Path, root: Path = ROOT, hints: str = "brief") -> list[str
             )
         written.append(rel)
     (out / RELEASE_MARKER.relative_to(ROOT)).write_text(RELEASE_NOTE)
-    (out / "README.md").write_text(student_readme(rubric))  # a student's README: no instructor commands
+    (out / "README.md").write_text(student_readme(rubric) + README_SECTION)  # a student's: no instructor commands
+    written += write_classroom(out)  # .github/: the workflow that grades each push, and its script
     return written
 
 

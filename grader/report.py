@@ -139,6 +139,21 @@ def table(scores: list[TaskScore], width: int = 100) -> str:
     return "\n".join(rows)
 
 
+def markdown(scores: list[TaskScore]) -> str:
+    """The score table in Markdown (a GitHub job's summary page): a row per task, its reason in words."""
+
+    def cell(text: str) -> str:
+        return textwrap.shorten(text, 300, placeholder=" ...").replace("|", "\\|")
+
+    rows = ["| task | title | points | result |", "|---|---|---:|---|"]
+    for s in scores:
+        result = f"{s.status}: {cell(s.reason)}" if s.reason else s.status
+        rows.append(f"| {s.task.id} | {cell(s.task.title)} | {s.score:g}/{s.task.points:g} | {result} |")
+    total, most = sum(s.score for s in scores), sum(s.task.points for s in scores)
+    rows.append(f"| | **total** | **{total:g}/{most:g}** | |")
+    return "\n".join(rows) + "\n"
+
+
 def _output(s: TaskScore) -> str:
     lines = [f"{s.status}: {s.reason}" if s.reason else "PASS"]
     for r in s.tests:

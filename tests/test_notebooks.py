@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,18 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         1 for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})
     )
     assert images >= 3, f"{path.name} drew {images} figures"
+
+
+def test_the_notebooks_extra_brings_jupyterlab_and_the_suite_needs_only_dev():
+    """README: `pip install -e ".[notebooks]" && jupyter lab notebooks/`. The suite runs the notebooks
+    with dev's nbclient and ipykernel, so CI (which installs dev) does not install JupyterLab."""
+    from grader.config import is_release, tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    with open(root / "pyproject.toml", "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    names = {k: [re.split(r"[;=<>~!\[ ]", r)[0] for r in v] for k, v in extras.items()}  # "ruff==0.17.6" -> ruff
+    assert "jupyterlab" in names["notebooks"] and "jupyterlab" not in names["dev"]
+    assert {"nbformat", "nbclient", "ipykernel"} <= set(names["dev"])  # what test_notebook_runs imports
+    if not is_release():  # a student copy's README is the student's
+        assert 'pip install -e ".[notebooks]" && jupyter lab notebooks/' in (root / "README.md").read_text()

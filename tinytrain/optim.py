@@ -60,8 +60,10 @@ class Optimizer:
         for a 16-bit ``param`` also ``master``, its float32 copy, and the rule's state is float32."""
         if not is_low_precision(param.dtype):
             return self.new_state(param)
+        # BEGIN SOLUTION 8.3 "A 16-bit parameter's state: the rule's own state, made for a full-precision copy of the parameter, and that copy." full="master = param.astype(xp.float32) (a copy); return the dict of self.new_state(master) plus master."
         master = param.astype(xp.float32)
         return {**self.new_state(master), "master": master}
+        # END SOLUTION
 
     def update(self, param, grad, state) -> None:
         """Apply one step to the array ``param`` from ``grad`` and ``state`` (all in place): the
@@ -72,11 +74,13 @@ class Optimizer:
         if master is None:
             self.rule(param, grad / self.loss_scale if self.loss_scale != 1 else grad, state)
             return
+        # BEGIN SOLUTION 8.3 "The step happens in full precision: the rule updates the copy from the gradient brought to full precision and unscaled there (the caller's array stays as it is), and the 16-bit parameter, in place, takes the copy's new value, rounded." full="grad = grad.astype(xp.float32) (a copy); if self.loss_scale != 1, multiply it by 1 / self.loss_scale; self.rule(master, grad, state); param[...] = master."
         grad = grad.astype(xp.float32)  # a copy: the rule may change it
         if self.loss_scale != 1:
             grad *= 1 / self.loss_scale
         self.rule(master, grad, state)
         param[...] = master  # round to nearest in param's dtype
+        # END SOLUTION
 
     def new_state(self, param) -> dict:
         """The rule's state for ``param`` (its moments: arrays like it)."""
@@ -111,13 +115,18 @@ class Optimizer:
 
 
 class SGD(Optimizer):
-    """p -= lr · (g + wd·p), with heavy-ball momentum: v = μ·v + (g + wd·p); p -= lr·v."""
+    """p -= lr · (g + wd·p), with heavy-ball momentum: v = μ·v + (g + wd·p); p -= lr·v.
+    ``nesterov=True`` looks one step ahead (Sutskever et al. 2013, as torch.optim.SGD): p -= lr·(g + μ·v)."""
 
-    def __init__(self, params, lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0):
+    def __init__(
+        self, params, lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False
+    ):
         super().__init__(params, lr)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        self.momentum, self.weight_decay = momentum, weight_decay
+        if nesterov and not momentum:
+            raise ValueError("nesterov=True needs a momentum above 0")
+        self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
 
     def new_state(self, param):
         return {"momentum": xp.zeros_like(param)} if self.momentum else {}
@@ -129,7 +138,7 @@ class SGD(Optimizer):
             buf = state["momentum"]
             buf *= self.momentum
             buf += grad
-            grad = buf
+            grad = grad + self.momentum * buf if self.nesterov else buf
         param -= self.lr * grad
 
 
@@ -181,11 +190,13 @@ def clip_grad_norm_(params, max_norm: float, total_norm: float | None = None) ->
 
 def grads_finite(grads) -> bool:
     """Whether every entry of every array in ``grads`` (None skipped) is finite: one bool to the host."""
+    # BEGIN SOLUTION 8.2 "True when no array holds an inf or a NaN (None and empty arrays hold neither), with one answer brought to the host at the end, not one per array." full="ok = True; for each g not None and of size > 0, ok = ok & xp.isfinite(g).all(); return bool(ok)."
     ok = True
     for g in grads:
         if g is not None and g.size:
             ok = ok & xp.isfinite(g).all()
     return bool(ok)
+    # END SOLUTION
 
 
 class LossScaler:
@@ -215,6 +226,7 @@ class LossScaler:
 
     def update(self, found_inf: bool) -> bool:
         """After a step's backward: True to take the step; False to skip it (and halve the scale)."""
+        # BEGIN SOLUTION 8.2 "Note whether the step is thrown away. An overflow makes the multiplier smaller and restarts the count of clean steps: throw it away. A clean step counts; the count reaching its interval makes the multiplier larger and restarts the count: take it." full="self.skipped = bool(found_inf); on found_inf: scale *= backoff, clean_steps = 0, return False; else clean_steps += 1, if clean_steps == growth_interval: scale *= growth, clean_steps = 0; return True."
         self.skipped = bool(found_inf)
         if self.skipped:
             self.scale *= self.backoff
@@ -225,6 +237,7 @@ class LossScaler:
             self.scale *= self.growth
             self.clean_steps = 0
         return True
+        # END SOLUTION
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps}

@@ -481,3 +481,38 @@ def plot_latency_model(rows: list, model, crossovers: dict | None = None, path=N
     ax.legend(fontsize=7)
     ax.set_title(title or "latency vs size: measured and the α-β model")
     return _finish(fig, path)
+
+
+def _smooth(values: list, window: int = 10) -> numpy.ndarray:
+    """The running mean over ``window`` steps (the first steps over as many as there are)."""
+    cumulative = numpy.cumsum(numpy.asarray(values, dtype=numpy.float64))
+    out = cumulative.copy()
+    out[window:] = cumulative[window:] - cumulative[:-window]
+    return out / numpy.minimum(numpy.arange(1, len(values) + 1), window)
+
+
+def plot_dp_algos(results: list, names: list, path=None, target: float | None = None):
+    """``tinytrain bench dp-algos``: loss (running mean of 10 steps) against steps and against the
+    bytes all ranks sent, per data-parallel algorithm, and the asynchronous server's staleness."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=120)
+    for r, name in zip(results, names):
+        loss = _smooth(r["loss"])
+        axes[0].plot(numpy.arange(1, len(loss) + 1), loss, lw=1, label=name)
+        axes[1].plot(numpy.cumsum(r["bytes"]) / 2**20, loss, lw=1, label=name)
+    for ax, label in zip(axes[:2], ("step", "MiB sent by all ranks")):
+        ax.set_xlabel(label)
+        ax.set_ylabel("loss (mean of 10 steps)")
+        ax.grid(alpha=0.3)
+        if target is not None:
+            ax.axhline(target, color="gray", ls=":", lw=1)
+    axes[1].set_xscale("symlog", linthresh=1)  # local SGD's first average comes after H steps of nothing
+    axes[1].set_xlim(left=0)
+    axes[0].legend(fontsize=8)
+    stale = [(r, name) for r, name in zip(results, names) if r.get("staleness")]
+    for r, name in stale:
+        counts = numpy.bincount(r["staleness"])
+        axes[2].bar(numpy.arange(len(counts)), counts, label=name)
+    axes[2].set_xlabel("staleness (updates behind)")
+    axes[2].set_ylabel("gradients")
+    axes[2].set_title("asynchronous parameter server" if stale else "no asynchronous run")
+    return _finish(fig, path, "data parallel without lock-step: communication against convergence")

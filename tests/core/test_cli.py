@@ -201,6 +201,19 @@ def test_resume_with_another_model_shape_names_the_parameter(tmp_path, capsys):
         (["--trace", "/nonexistent-folder/x.json"], "--trace .*the folder /nonexistent-folder does not exist"),
         (["--balance", "bias"], "--balance bias balances experts: it needs --experts N"),
         (["--experts", "2", "--balance", "bias", "--bias-rate", "0"], "--bias-rate must be positive"),
+        # --dp-algo: only over --dp alone, each of its flags only with it (tests/parallel/test_dp_algos.py runs them)
+        (["--dp-algo", "async-ps", "--tp", "2"], "--dp-algo async-ps .* composes with --dp alone, not with --tp: drop"),
+        (["--dp-algo", "diloco", "--zero", "1"], "--dp-algo diloco .* composes with --dp alone, not with --zero"),
+        (["--dp-algo", "ps", "--pp", "2"], "--dp-algo ps .* not with --pp"),
+        (["--dp-algo", "ps"], r"--dp-algo ps needs 2 or more replicas: run `mpirun -n N tinytrain train --dp N"),
+        (["--dp-algo", "async-ps", "--precision", "fp16"], "--dp-algo async-ps is built for --precision fp32"),
+        (["--local-steps", "4"], "--local-steps is the H of --dp-algo local-sgd or diloco"),
+        (["--dp-algo", "local-sgd", "--local-steps", "0"], "--local-steps must be at least 1, got 0"),
+        (["--dp-algo", "ps", "--max-staleness", "1"], "--max-staleness bounds --dp-algo async-ps"),
+        (["--dp-algo", "async-ps", "--max-staleness", "-1"], "--max-staleness bounds --dp-algo async-ps: give it 0"),
+        (["--ps-order", "seeded"], "--ps-order is the serving order of --dp-algo async-ps"),
+        (["--dp-algo", "diloco", "--resume"], "--resume with --dp-algo diloco is refused: each replica's inner"),
+        (["--dp-algo", "async-ps", "--resume"], "--resume with --dp-algo async-ps is refused: the versions"),
     ],
 )
 def test_bad_arguments_exit_with_a_clear_message(tmp_path, bad, message, capsys):

@@ -20,7 +20,7 @@ LAYERS = [
         "autograd",
         ["tinytrain.autograd", "tinytrain.random", "tinytrain.functional", "tinytrain.testing", "tinytrain"],
     ),  # the package's own __init__: Tensor, no_grad, manual_seed
-    ("nn", ["tinytrain.nn", "tinytrain.optim", "tinytrain.data", "tinytrain.checkpoint"]),
+    ("nn", ["tinytrain.nn", "tinytrain.optim", "tinytrain.memory", "tinytrain.data", "tinytrain.checkpoint"]),
     ("distributed", ["tinytrain.distributed"]),
     ("parallel", ["tinytrain.parallel"]),
     ("viz", ["tinytrain.viz"]),

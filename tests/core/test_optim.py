@@ -227,3 +227,18 @@ def test_loading_a_state_dict_does_not_alias_it():
     opt.step()
     for k, v in snapshot.items():
         numpy.testing.assert_array_equal(saved["state"][0][k], v, err_msg=k)
+
+
+def test_sgd_nesterov_looks_one_step_ahead():
+    """v = μ·v + g; p -= lr·(g + μ·v) (Sutskever et al. 2013, as torch.optim.SGD(nesterov=True))."""
+    p = Parameter(numpy.array([1.0, -2.0]))
+    opt = SGD([p], lr=0.5, momentum=0.9, nesterov=True)
+    want, velocity = p.data.copy(), numpy.zeros(2)
+    for g in ([0.1, 0.2], [0.3, -0.1], [-0.2, 0.05]):
+        p.grad = numpy.array(g)
+        opt.step()
+        velocity = 0.9 * velocity + numpy.array(g)
+        want = want - 0.5 * (numpy.array(g) + 0.9 * velocity)
+        numpy.testing.assert_allclose(p.data, want, rtol=1e-12)
+    with pytest.raises(ValueError, match="nesterov=True needs a momentum above 0"):
+        SGD([p], lr=0.1, nesterov=True)

@@ -347,3 +347,203 @@ def test_parameter_server_matches_serial_and_everything_goes_through_the_server(
     )
     if ps.rank != ps.server:
         assert not opt.state, "only the server keeps optimizer state"
+
+
+# --- 2.5 asynchronous parameter server -------------------------------------------------------------
+
+
+def on_group(size):
+    """(group, its rank) of the first ``size`` ranks (a fixed hard case: 3 of the 4 ranks), or None."""
+    group = dist.new_group(range(size)) if size < dist.get_world_size() else None
+    return (group, dist.get_rank()) if dist.get_rank() < size else (None, None)
+
+
+def rows_of(case, t, rank, n):
+    """This rank's rows of step t's batch, cut to a multiple of n rows (16 -> 15 for 3 ranks)."""
+    x, y = case.batch(t)
+    keep = ROWS - ROWS % n
+    return shard_rows(x[:keep], rank, n), shard_rows(y[:keep], rank, n)
+
+
+def serial_rows(case, n, steps=STEPS):
+    """The serial run on the rows the n ranks together train on."""
+    model = case.model()
+    opt = sgd(model)
+    for t in range(steps):
+        opt.zero_grad()
+        x, y = case.batch(t)
+        loss_on(model, x[: ROWS - ROWS % n], y[: ROWS - ROWS % n]).backward()
+        opt.step()
+    return {name: to_host(p.data) for name, p in model.named_parameters()}
+
+
+def train_rows(case, model, wrapper, rank, n, steps=STEPS):
+    for t in range(steps):
+        for p in model.parameters():
+            p.grad = None
+        wrapper.backward(loss_on(wrapper, *rows_of(case, t, rank, n)))
+        wrapper.step()
+
+
+def replay_async(case, n, steps=STEPS):
+    """One process plays the seeded asynchronous schedule (unbounded): each step the server's own
+    gradient, then each worker's, computed on the parameters it last pulled, in the order drawn
+    from (seed, step); every gradient is one update. Returns (parameters, staleness of each)."""
+    model = case.model()
+    opt = sgd(model)
+    pulled = {w: [p.data.copy() for p in model.parameters()] for w in range(1, n)}
+    version, seen, staleness = 0, dict.fromkeys(range(n), 0), []
+
+    def apply(rank, weights, t):
+        nonlocal version
+        current = [p.data.copy() for p in model.parameters()]
+        for p, w in zip(model.parameters(), weights):
+            p.data[...] = w
+            p.grad = None
+        loss_on(model, *rows_of(case, t, rank, n)).backward()
+        for p, c in zip(model.parameters(), current):
+            p.data[...] = c
+        opt.step()
+        staleness.append(version - seen[rank])
+        version += 1
+        seen[rank] = version
+
+    for t in range(steps):
+        seen[0] = version
+        apply(0, [p.data.copy() for p in model.parameters()], t)
+        for w in np.random.default_rng([case.seed, t + 1]).permutation(list(range(1, n))).tolist():
+            apply(w, pulled[w], t)
+            pulled[w] = [p.data.copy() for p in model.parameters()]
+    return {name: to_host(p.data) for name, p in model.named_parameters()}, staleness
+
+
+@pytest.mark.task("2.5")
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("size", [4, 3])
+def test_async_server_with_bound_0_is_the_synchronous_serial_run(impl, size):
+    case = Case()
+    group, rank = on_group(size)
+    if group is None and rank is None:
+        return
+    model = case.model()
+    server = impl.data_parallel.AsyncParameterServer(
+        model, sgd(model), group=group, max_staleness=0, order="seeded", seed=case.seed
+    )
+    train_rows(case, model, server, rank, size)
+    want = serial_rows(case, size)
+    for name, p in model.named_parameters():
+        assert_matches_serial(to_host(p.data), want[name], 4, case.what(f"{size} ranks, bound 0: parameter {name}"))
+    if rank == 0:
+        assert server.staleness == [0] * (size * STEPS), case.what(
+            f"with --max-staleness 0 every gradient must be applied fresh: staleness {server.staleness}"
+        )
+
+
+@pytest.mark.task("2.5")
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("size", [4, 3])
+def test_async_server_applies_each_gradient_as_it_arrives_and_measures_its_staleness(impl, size):
+    case = Case()
+    group, rank = on_group(size)
+    if group is None and rank is None:
+        return
+    model = case.model()
+    server = impl.data_parallel.AsyncParameterServer(model, sgd(model), group=group, order="seeded", seed=case.seed)
+    with dist.comm_stats() as stats:
+        train_rows(case, model, server, rank, size)
+    psi_bytes = 4 * sum(p.size for p in model.parameters())
+    moved = stats.sent("send") + stats.recv("recv")
+    want_moved = STEPS * 2 * psi_bytes * ((size - 1) if rank == 0 else 1)
+    assert moved == want_moved, case.what(
+        f"moved {moved} bytes in {STEPS} steps, expected {want_moved}: each worker pushes its gradient once per "
+        "step and gets the parameters back once"
+    )
+    if rank != 0:
+        return
+    want, staleness = replay_async(case, size)
+    assert server.staleness == staleness, case.what(
+        f"staleness {server.staleness}, expected {staleness}: each gradient is one update, applied as it "
+        "arrives; its staleness is the updates applied since its worker last pulled"
+    )
+    for name, p in model.named_parameters():
+        assert_matches_serial(to_host(p.data), want[name], 4, case.what(f"unbounded, {size} ranks: parameter {name}"))
+
+
+@pytest.mark.task("2.5")
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("bound", [1, 2])
+def test_async_server_never_exceeds_its_staleness_bound(impl, bound):
+    case = Case()
+    model = case.model()
+    server = impl.data_parallel.AsyncParameterServer(
+        model, sgd(model), max_staleness=bound, order="seeded", seed=case.seed
+    )
+    train_rows(case, model, server, dist.get_rank(), 4, steps=3)
+    if dist.get_rank() != 0:
+        return
+    assert len(server.staleness) == 12 and max(server.staleness) <= bound, case.what(
+        f"--max-staleness {bound}: staleness {server.staleness} (every gradient applied once, none more than "
+        f"{bound} updates behind)"
+    )
+    assert max(server.staleness) == bound and server.version < 12, case.what(
+        f"--max-staleness {bound}: {server.version} updates for 12 gradients, staleness {server.staleness}: "
+        "hold an update back only while it would break the bound, and then average what waits"
+    )
+
+
+# --- 2.6 local SGD: the outer step -----------------------------------------------------------------
+
+
+@pytest.mark.task("2.6")
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("size", [4, 3])
+def test_local_sgd_with_one_local_step_is_the_serial_run(impl, size):
+    case = Case()
+    group, rank = on_group(size)
+    if group is None and rank is None:
+        return
+    model = case.model()
+    local = impl.data_parallel.LocalSGD(model, local_steps=1, group=group)
+    local.optimizer = sgd(model)  # inner SGD with momentum: linear in the gradient
+    train_rows(case, model, local, rank, size)
+    want = serial_rows(case, size)
+    for name, p in model.named_parameters():
+        assert_matches_serial(to_host(p.data), want[name], 4, case.what(f"H = 1, {size} ranks: parameter {name}"))
+
+
+@pytest.mark.task("2.6")
+@pytest.mark.world_size(4)
+def test_diloco_outer_step_moves_the_start_by_nesterov_on_the_average_delta_once_per_h_steps(impl):
+    case = Case()
+    model = case.model(freeze=("wpe",))  # a frozen parameter is neither averaged nor moved
+    frozen = to_host(model.wpe.weight.data).copy()
+    diloco = impl.data_parallel.LocalSGD.diloco(model, local_steps=2)
+    diloco.optimizer = sgd(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    start, momentum = np.concatenate([to_host(p.data).ravel() for p in trained]), 0.0
+    for outer in range(2):
+        with dist.comm_stats() as stats:
+            for t in range(2):
+                for p in model.parameters():
+                    p.grad = None
+                diloco.backward(loss_on(diloco, *rows_of(case, 2 * outer + t, dist.get_rank(), 4)))
+                if t == 1:  # the replicas, just before the outer step (MPI's gather, not counted)
+                    diloco.optimizer.step()
+                    mine = np.concatenate([to_host(p.data).ravel() for p in trained])
+                    every = np.empty((4, mine.size), dtype=mine.dtype)
+                    mpi(dist.world(), "Allgather", mine, every)
+                    diloco.inner_steps += 1
+                    diloco.outer_step()
+                else:
+                    diloco.step()
+        delta = (start[None, :] - every).mean(axis=0)
+        momentum = 0.9 * momentum + delta
+        start = start - 0.7 * (delta + 0.9 * momentum)
+        got = np.concatenate([to_host(p.data).ravel() for p in trained])
+        assert_matches_serial(got, start, 4, case.what(f"after outer step {outer + 1}, the parameters"))
+        sent = int(stats.sent("all_reduce"))
+        assert 0 < sent <= 2 * 4 * start.size, case.what(
+            f"the outer step sent {sent} bytes: one all-reduce of the {start.size} trainable parameters' deltas "
+            "per H steps, none in the inner steps"
+        )
+    assert np.array_equal(to_host(model.wpe.weight.data), frozen), case.what("a frozen parameter moved")

@@ -36,6 +36,8 @@ A4 = "tinytrain/parallel/tensor_parallel/"
 A5 = "tinytrain/parallel/pipeline/"
 A6 = "tinytrain/parallel/expert_parallel/"
 A7 = "tinytrain/parallel/context_parallel/"
+A8_CHECKPOINT = "tinytrain/autograd/checkpoint.py"
+A8_OPTIM = "tinytrain/optim.py"
 
 
 @dataclass(frozen=True)
@@ -314,6 +316,46 @@ MUTANTS += [
         "            unflatten_into(flat, [p.data for p in self.params])",
         "            pass",
         "\\[rank [123]\\] after step 1, parameter .* differs from rank 0's",
+    ),
+    M(
+        "async_ignores_the_staleness_bound",
+        "2.5",
+        A2,
+        "        if k is not None and any(self.version + 1 - self.pulled[w] > k for w in others):",
+        "        if False:",
+        "bound 0|max-staleness",
+    ),
+    M(
+        "async_counts_staleness_after_the_update",
+        "2.5",
+        A2,
+        "        self.staleness += [self.version - self.pulled[r] for r in ranks]\n        self.version += 1\n",
+        "        self.version += 1\n        self.staleness += [self.version - self.pulled[r] for r in ranks]\n",
+        "staleness",
+    ),
+    M(
+        "async_sums_without_averaging",
+        "2.5",
+        A2,
+        "        total /= len(ranks)\n",
+        "",
+        "bound 0: parameter",
+    ),
+    M(
+        "outer_step_sums_the_deltas",
+        "2.6",
+        A2,
+        'dist.all_reduce(delta, op="avg"',
+        'dist.all_reduce(delta, op="sum"',
+        "H = 1|outer step",
+    ),
+    M(
+        "outer_step_leaves_the_replicas_where_they_are",
+        "2.6",
+        A2,
+        "        unflatten_into(self.start.data, [p.data for p in self.params])\n",
+        "",
+        "H = 1|outer step",
     ),
 ]
 
@@ -936,6 +978,97 @@ MUTANTS += [
         "y",
         "positions",
     ),
+    # --- assignment 8: memory ------------------------------------------------------------------------
+    M(
+        "recompute_draws_new_dropout_masks",  # the recompute runs under backward's random settings
+        "8.1",
+        A8_CHECKPOINT,
+        "            with enable_grad(), _random.restored(segment.random), _random.segment():",
+        "            with enable_grad(), _random.segment():",
+        "dropout inside.*differs from a plain call",
+    ),
+    M(
+        "recompute_leaves_ask_for_no_gradient",
+        "8.1",
+        A8_CHECKPOINT,
+        "            a if inp is None else Tensor(a, requires_grad=grad and need)",
+        "            a if inp is None else Tensor(a)",
+        "got no gradient",
+    ),
+    M(
+        "only_the_first_output_is_backpropagated",
+        "8.1",
+        A8_CHECKPOINT,
+        "            if len(roots) == 1:\n                backward(*roots[0])",
+        "            if roots:\n                backward(*roots[0])",
+        "3 outputs, 2 used",
+    ),
+    M(
+        "recompute_outside_the_backward_context",  # ZeRO-3's parameters would not be gathered
+        "8.1",
+        A8_CHECKPOINT,
+        '        with segment.enter("backward"):\n            with enable_grad()',
+        "        with contextlib.nullcontext():\n            with enable_grad()",
+        "context\\('backward'\\)",
+    ),
+    M(
+        "scale_grows_one_step_late",
+        "8.2",
+        A8_OPTIM,
+        "        if self.clean_steps == self.growth_interval:",
+        "        if self.clean_steps > self.growth_interval:",
+        "the scale is",
+    ),
+    M(
+        "overflow_keeps_counting_clean_steps",
+        "8.2",
+        A8_OPTIM,
+        "            self.scale *= self.backoff\n            self.clean_steps = 0\n",
+        "            self.scale *= self.backoff\n",
+        "the scale is",
+    ),
+    M(
+        "grads_finite_misses_nan",
+        "8.2",
+        A8_OPTIM,
+        "            ok = ok & xp.isfinite(g).all()",
+        "            ok = ok & ~xp.isinf(g).any()",
+        "nan at entry",
+    ),
+    M(
+        "grads_finite_looks_at_the_first_array_only",
+        "8.2",
+        A8_OPTIM,
+        "            ok = ok & xp.isfinite(g).all()",
+        "            ok = ok & xp.isfinite(g).all()\n            break",
+        "was not found",
+    ),
+    M(
+        "unscaled_in_16_bit",  # a gradient only the scale kept above float16's underflow flushes to 0
+        "8.3",
+        A8_OPTIM,
+        "        grad = grad.astype(xp.float32)  # a copy: the rule may change it\n"
+        "        if self.loss_scale != 1:\n            grad *= 1 / self.loss_scale\n",
+        "        if self.loss_scale != 1:\n            grad = grad * (1 / self.loss_scale)\n"
+        "        grad = grad.astype(xp.float32)\n",
+        "2\\^-26",
+    ),
+    M(
+        "rule_on_the_16_bit_parameter",  # updates below the parameter's spacing are lost
+        "8.3",
+        A8_OPTIM,
+        "        self.rule(master, grad, state)\n        param[...] = master",
+        "        self.rule(param, grad.astype(param.dtype), state)\n        master[...] = param",
+        "master|rounds",
+    ),
+    M(
+        "moments_in_16_bit",
+        "8.3",
+        A8_OPTIM,
+        '        return {**self.new_state(master), "master": master}',
+        '        return {**self.new_state(param), "master": master}',
+        "must be float32|bytes",
+    ),
 ]
 
 # The representative subset CI runs (tests/grader/test_mutants.py): one mutant of each of 12 tasks,
@@ -993,7 +1126,7 @@ def plant(mutants: list[Mutant], folder: Path) -> Path:
 BUILDS_ON = {
     "2.3": {"2.1", "2.2"},
     "3.2": {"3.1"},
-    "3.3": {"3.1", "3.2"},
+    "3.3": {"3.1", "3.2", "8.1"},
     "4.2": {"4.1"},
     "4.3": {"4.1", "4.2"},
     "4.4": {"4.1", "4.2", "4.3"},

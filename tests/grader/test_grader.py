@@ -29,6 +29,7 @@ pytestmark = [
 RUBRIC = load_rubric()
 A1 = RUBRIC.assignments["1"]
 A4 = RUBRIC.by_name("tensor_parallel")  # an assignment of several files: a package
+A8 = RUBRIC.by_name("memory")  # a front module (tinytrain/memory.py) and files from two packages
 
 
 def grade(tmp: Path, *args: str, timeout: float = 240) -> tuple[dict, str]:
@@ -221,6 +222,30 @@ def test_guard_checks_every_file_of_a_package_but_lets_them_import_each_other(tm
     found = guard.problems(A4, path=package)
     assert len(found) == 1 and found[0].startswith("a4_tensor_parallel/layers.py:"), found
     assert "imports from tinytrain.parallel.tensor_parallel.mappings" in found[0], found
+
+
+@pytest.mark.parametrize(
+    "file, line, words",
+    [
+        ("checkpoint.py", "from tinytrain.autograd import checkpoint", "imports tinytrain.autograd.checkpoint"),
+        ("checkpoint.py", "import tinytrain.autograd.checkpoint as ref", "imports tinytrain.autograd.checkpoint"),
+        ("optim.py", "from tinytrain.optim import LossScaler", "imports from tinytrain.optim"),
+        ("optim.py", "from tinytrain import optim", "imports tinytrain.optim"),
+        ("__init__.py", "from tinytrain.memory import checkpoint", "imports from tinytrain.memory"),
+    ],
+)
+def test_guard_refuses_each_file_a_front_module_gathers(tmp_path, file, line, words):
+    """Assignment 8's files come from two packages: borrowing any of them is refused, while the
+    framework they import (the engine, tinytrain.random, the backend) stays allowed."""
+    folder = tmp_path / Path(A8.file).name
+    for name, text in assignment_texts(A8, RUBRIC).items():
+        (folder / Path(name).relative_to(A8.file)).parent.mkdir(parents=True, exist_ok=True)
+        (folder / Path(name).relative_to(A8.file)).write_text(text)
+    assert guard.problems(A8, path=folder) == []
+    target = folder / file
+    target.write_text(target.read_text() + "\n" + line + "\n")
+    found = guard.problems(A8, path=folder)
+    assert len(found) == 1 and found[0].startswith(f"a8_memory/{file}:") and words in found[0], found
 
 
 def test_solved_package_assignment_from_a_folder_scores_full_marks(tmp_path):

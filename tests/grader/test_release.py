@@ -126,3 +126,29 @@ def failures_of(out: str) -> str:
     start = out.find("= FAILURES =")
     failed = "\n".join(line for line in out.splitlines() if line.startswith(("FAILED", "ERROR")))
     return (out[start : start + 8000] if start >= 0 else out[-4000:]) + "\n" + failed
+
+
+def test_a_task_requiring_another_assignments_task_runs_the_students_code_of_it(release, tmp_path):
+    """In a copy the framework's checkpoint is a stub, and ZeRO-3's layers recompute with it: task
+    3.3 (which requires 8.1) runs the student's 8.1 instead. Without it, 3.3 is a TODO of 8.1; with
+    it, 3.3 scores in full."""
+    from grader.selfcheck import solve
+
+    done = tmp_path / "done"
+    shutil.copytree(release, done)
+    scores = []
+    for solved in (("3.1", "3.2", "3.3"), ("3.1", "3.2", "3.3", "8.1")):
+        solve(done, RUBRIC, solved)
+        proc = subprocess.run(
+            [sys.executable, "-m", "grader", "--tasks", "3.3"],
+            cwd=done,
+            env=copy_environment(done),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        row = json.loads((done / "out" / "grader" / "results.json").read_text())["tests"][0]
+        scores.append((row["score"], row["output"]))
+    assert scores[0][0] == 0 and "TODO 8.1" in scores[0][1] and "needed by task 3.3" in scores[0][1], scores[0]
+    assert scores[1][0] == 35, scores[1]

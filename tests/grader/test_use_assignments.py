@@ -40,3 +40,27 @@ print("ok", len(swapped))
         [sys.executable, "-c", code], cwd=ROOT, env=mpi_environment(), capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr
+
+
+def test_tasks_in_use_swaps_the_files_of_those_tasks_for_the_block_only():
+    """What a student copy's grader does for 3.3 (which requires 8.1): ZeRO-3's layers recompute
+    with the student's checkpoint during the test, and with the framework's after it. Only the file
+    holding 8.1 is swapped: the optimizers (8.2, 8.3's file) stay the framework's."""
+    code = """
+import tinytrain.parallel.zero_parts as zp
+import tinytrain.autograd as ag
+import tinytrain.optim as optim
+from assignments.use import tasks_in_use
+import importlib
+a8 = importlib.import_module("assignments.a8_memory.checkpoint")  # the package's .checkpoint is the function
+reference = zp.checkpoint
+with tasks_in_use(["8.1"]):
+    assert zp.checkpoint is a8.checkpoint and ag.checkpoint is a8.checkpoint
+    assert optim.AdamW.__module__ == "tinytrain.optim"
+assert zp.checkpoint is reference and ag.checkpoint is reference
+print("ok")
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=mpi_environment(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr

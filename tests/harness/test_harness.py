@@ -75,6 +75,12 @@ def test_09_fresh_communicator_sees_no_stray(monkeypatch):
     if dist.get_rank() == 1:
         with pytest.raises(dist.CommTimeout):
             dist.recv(np.empty(4), 0, tag=5)
+
+def test_11_a_peer_failure_nobody_skipped_is_a_failure():
+    if dist.get_rank() == 1:  # tells of a failure and goes on (its own part passes)
+        dist.report_failure("rank 1 gave up on purpose")
+        return
+    dist.all_reduce(np.ones(4))  # the others learn of it here
 """
 
 
@@ -113,14 +119,17 @@ def test_injected_faults_end_fast_name_rank_and_operation_and_later_tests_pass(t
         "test_04_different_collectives",
         "test_05_mismatched_shapes",
         "test_06_send_never_received",
+        "test_11_a_peer_failure_nobody_skipped_is_a_failure",  # not skipped: no rank skipped it
     }, out
     assert summary["test_02_rank_raises_before_collective"].startswith("[rank 1] RuntimeError: injected on rank 1")
     assert "PeerFailure" in out and "rank 1 failed" in out  # the others were told, not left waiting
+    assert summary["test_11_a_peer_failure_nobody_skipped_is_a_failure"].startswith("[rank 0] ")
+    assert "rank 1 gave up on purpose" in out
     assert "rank 2 called all_gather(shape=(8,), float32" in out and "while rank 0 called all_reduce" in out
     assert "rank 3 called all_reduce(shape=(9,)" in out and "differ in shape" in out
     assert summary["test_06_send_never_received"].startswith("[rank 0]")
     assert re.search(r"CommTimeout: send on group world .*timed out after 2\.\d s waiting for send to rank 1", out), out
-    assert re.search(r"4 failed, 5 passed, 1 skipped", out), out
+    assert re.search(r"5 failed, 5 passed, 1 skipped", out), out
     # rank 0 was waiting in the all-reduce when rank 2 skipped: its report gives rank 2's reason
     assert re.search(r"SKIPPED \[1\] test_injected.py:\d+: TODO 1.1 on rank 2", out), out
     # 2 s for the one deliberate hang, plus start-up; nothing waits for a 20 s or 60 s default.

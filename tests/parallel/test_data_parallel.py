@@ -69,7 +69,7 @@ def test_n_ranks_with_b_rows_compute_the_gradient_of_one_process_with_n_b_rows(k
     s, backward, _, _ = wrap(kind, model, make_optimizer("sgd", model))
     backward(F.cross_entropy(s(xp.asarray(shard_rows(x, rank, n))), xp.asarray(shard_rows(y, rank, n))))
     if kind == "ps":
-        s._push_and_update()  # the server now holds the averaged gradient
+        s._push_and_average()  # the server now holds the averaged gradient
         if rank != s.server:
             return
     for (name, p), q in zip(model.named_parameters(), serial.parameters()):

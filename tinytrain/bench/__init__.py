@@ -7,7 +7,8 @@ its own ``mpirun`` launch with MPICH's default settings (tinytrain's are read at
 two sides alternate, so load from elsewhere hits both alike. ``strategies`` compares the parallel
 strategies with each other (and with serial) on the same model: time, bytes sent, memory. ``plan``
 sets the calibrated planner's step time beside a measured one. ``scaling`` trains the same model
-serially and on 2 ranks (DP, TP, PP), alternating, and reports the speedup.
+serially and on 2 ranks (DP, TP, PP), alternating, and reports the speedup. ``dp-algos`` trains
+under every ``--dp-algo`` and draws loss against steps and against bytes sent.
 Each benchmark is a module here with ``add_arguments(parser)`` and ``run(args)``.
 """
 
@@ -22,6 +23,7 @@ BENCHMARKS = {
     "strategies": "one training step under every parallel strategy: time, bytes, memory (mpirun -n 4)",
     "plan": "the calibrated planner's data-parallel step time next to a measured one (mpirun -n N)",
     "scaling": "tokens/s serially and on 2 ranks per layout (DP, TP, PP): speedup, efficiency, comm (mpirun -n 2)",
+    "dp-algos": "loss against steps and bytes for every --dp-algo, same seed (mpirun -n 4)",
 }
 
 
@@ -30,9 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub.required = True
     for name, help_text in BENCHMARKS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(f"tinytrain.bench.{name}").add_arguments(p)
+        importlib.import_module(f"tinytrain.bench.{_module(name)}").add_arguments(p)
         p.set_defaults(_bench=name)
 
 
+def _module(name: str) -> str:
+    return name.replace("-", "_")  # dp-algos: tinytrain/bench/dp_algos.py
+
+
 def run(args) -> int:
-    return int(importlib.import_module(f"tinytrain.bench.{args._bench}").run(args) or 0)
+    return int(importlib.import_module(f"tinytrain.bench.{_module(args._bench)}").run(args) or 0)

@@ -38,6 +38,9 @@ __all__ = [
     "collective_time",
     "zero_memory",
     "data_parallel_volume",
+    "parameter_server_volume",
+    "local_sgd_volume",
+    "sparse_push_volume",
     "tensor_parallel_volume",
     "vocab_parallel_volume",
     "pipeline_volume",
@@ -123,6 +126,25 @@ def data_parallel_volume(psi: float, n: int, stage: int, tied: float = 0) -> flo
     if stage == 3:
         return (n - 1) / n * (3 * psi + 2 * tied)
     return 2 * (n - 1) / n * psi
+
+
+def parameter_server_volume(psi_bytes: float, n: int) -> float:
+    """Bytes through the server's link per step (in and out), n ranks of which n-1 push: each worker
+    pushes its gradient and pulls the parameters, 2(n-1)·Ψ; asynchronous or not, the same."""
+    return 2 * (n - 1) * psi_bytes
+
+
+def local_sgd_volume(psi_bytes: float, n: int, local_steps: int) -> float:
+    """Bytes all n replicas send and receive together per step under local SGD / DiLoCo: one ring
+    all-reduce of the Ψ deltas every H steps, in which the ranks together send 2(n-1)·Ψ (exactly,
+    whatever the chunks) and receive as much."""
+    return 2 * 2 * (n - 1) * psi_bytes / local_steps
+
+
+def sparse_push_volume(rows_touched: int, row_bytes: int, index_bytes: int = 8) -> float:
+    """Bytes of one embedding gradient pushed sparse (``data_parallel.SparsePushServer``): a row
+    count, then the k rows a batch touched, each with its index; dense it is ``vocabulary · row_bytes``."""
+    return index_bytes + rows_touched * (row_bytes + index_bytes)
 
 
 # --- tensor parallel --------------------------------------------------------------------------------

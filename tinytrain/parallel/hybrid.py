@@ -26,6 +26,7 @@ into this rank's part, always in this order, as torchtitan's ``parallelize`` doe
        recompute blocks or attention cores       nn.recompute.apply_recompute (--recompute)
     2. cut the blocks into pipeline stages       pipeline.PipelineStage
     3. replicate over DP, or shard with ZeRO     data_parallel.BucketedDDP, zero.Zero
+       (--dp-algo: or a parameter server, asynchronous or not, or local SGD / DiLoCo, over --dp alone)
 
 and returns a ``ParallelModel``: ``forward_backward``, ``clip_grad_norm_``, ``step``. The training
 loop drives that and knows no strategy. Every layout computes the serial model's loss and
@@ -40,6 +41,8 @@ from __future__ import annotations
 import contextlib
 import math
 
+import numpy
+
 from tinytrain import checkpoint
 from tinytrain import distributed as dist
 from tinytrain import functional as F
@@ -51,6 +54,7 @@ from tinytrain.distributed.choice import is_stub
 from tinytrain.nn.moe import moe_step_stats, summarize_stats
 from tinytrain.nn.recompute import apply_recompute, recomputed_attention
 from tinytrain.optim import clip_grad_norm_, grads_finite
+from tinytrain.parallel import costs
 from tinytrain.parallel.expert_parallel.routing import balance_experts
 from tinytrain.parallel.plan import Plan
 from tinytrain.parallel.wrapper import average_op
@@ -145,6 +149,8 @@ class ParallelModel:
         plan, group = self.plan, self.data_group
         if self.experts is not None:  # expert parallel syncs its own gradient groups (dense, experts)
             return None, None
+        if plan.dp_algo != "allreduce":  # (Plan.check: over --dp alone)
+            return self._without_all_reduce(), None
         if plan.zero:
             from tinytrain.parallel.zero import Zero
 
@@ -160,6 +166,21 @@ class ParallelModel:
                 return None, None
             return BucketedDDP(self.part, bucket_mb=plan.bucket_mb, group=group, poll=plan.progress == "poll"), None
         return None, None
+
+    def _without_all_reduce(self):
+        """--dp-algo ps, async-ps, local-sgd, diloco: a wrapper that takes the optimizer's step itself."""
+        from tinytrain.parallel import data_parallel
+
+        plan, group = self.plan, self.dp_group
+        if plan.dp_algo == "ps":
+            return data_parallel.ParameterServer(self.part, None, group=group)
+        if plan.dp_algo == "async-ps":
+            return data_parallel.AsyncParameterServer(
+                self.part, None, group=group, max_staleness=plan.max_staleness, order=plan.ps_order, seed=plan.seed
+            )
+        if plan.dp_algo == "local-sgd":
+            return data_parallel.LocalSGD(self.part, plan.local_steps, group=group)
+        return data_parallel.LocalSGD.diloco(self.part, plan.local_steps, group=group)
 
     def parameters(self) -> list:
         """The parameters this rank's optimizer updates (ZeRO: it updates its pieces of them)."""
@@ -245,7 +266,11 @@ class ParallelModel:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the global norm of the serial model's gradient: squares summed over every group
         that holds different numbers (ZeRO pieces over DP, TP shards over TP, stages over PP); a
-        weight replicated over TP, or tied between first and last stage, counts once."""
+        weight replicated over TP, or tied between first and last stage, counts once. (A parameter
+        server clips on the server: the synchronous one the whole batch's gradient, the asynchronous
+        one each update it applies; local SGD clips each replica's own.)"""
+        if self.plan.dp_algo in ("ps", "async-ps"):
+            return self.dp.clip_grad_norm_(max_norm)
         tied = {id(p) for p in self.stage.tied} if self.stage is not None and not self.stage.is_first else set()
         sq = xp.zeros(3, dtype=xp.float64)  # [TP-sharded, replicated, an expert of this EP rank]
         for p, grad in self._local_gradients():
@@ -276,6 +301,9 @@ class ParallelModel:
     def step(self, optimizer) -> None:
         if self.zero is not None:
             self.zero.step(optimizer)
+        elif self.plan.dp_algo != "allreduce":  # the server's optimizer, or local SGD's inner one
+            self.dp.optimizer = optimizer
+            self.dp.step()
         else:
             optimizer.step()
         balance_experts(self.model)  # --balance bias: from the whole batch's load, alike on every rank
@@ -337,9 +365,48 @@ class ParallelModel:
         stats = self.experts.stats()  # per MoE layer, the same on every rank
         return summarize_stats(stats["load"], stats["dropped"], stats["aux"])
 
+    def comm_report(self) -> str | None:
+        """--dp-algo other than allreduce: the bytes per step its wrapper moved, against the formula
+        (``costs.parameter_server_volume``, ``costs.local_sgd_volume``), and the asynchronous server's
+        staleness; else None. Every rank calls it (local SGD sums over the replicas)."""
+        algo, wrapper, n = self.plan.dp_algo, self.dp, self.plan.dp
+        if algo == "allreduce" or not wrapper.steps:
+            return None
+        psi_bytes = sum(p.data.nbytes for p in wrapper.params)
+        if algo in ("ps", "async-ps"):
+            formula = costs.parameter_server_volume(psi_bytes, n)
+            lines = [
+                f"--dp-algo {algo}: bytes through the server (rank 0) per step: {wrapper.moved / wrapper.steps:,.0f} "
+                f"measured over {wrapper.steps} steps; formula 2(N-1)·Ψ·4 = {formula:,.0f} "
+                f"(N = {n}, Ψ = {psi_bytes // 4:,})"
+            ]
+            if algo == "async-ps" and wrapper.rank == wrapper.server:
+                lines.append(staleness_line(wrapper.staleness, self.plan.max_staleness))
+            return "\n".join(lines)
+        moved = xp.asarray([wrapper.moved], dtype=xp.int64)
+        dist.all_reduce(moved, group=self.dp_group)
+        formula = costs.local_sgd_volume(psi_bytes, n, self.plan.local_steps)
+        return (
+            f"--dp-algo {algo} --local-steps {self.plan.local_steps}: bytes all {n} ranks sent and received per step: "
+            f"{int(moved[0]) / wrapper.steps:,.0f} measured over {wrapper.steps} steps; formula "
+            f"2·2(N-1)·Ψ·4 / H = {formula:,.0f} (one all-reduce of Ψ per H steps, Ψ = {psi_bytes // 4:,})"
+        )
+
     def memory(self) -> dict | None:
         """ZeRO's bytes per rank (params, grads, optimizer, gathered_peak), else None."""
         return self.zero.memory() if self.zero is not None else None
+
+
+def staleness_line(staleness: list[int], bound: int | None) -> str:
+    """The asynchronous server's staleness of every gradient it applied, as a histogram."""
+    counts = numpy.bincount(numpy.asarray(staleness, dtype=numpy.int64)) if staleness else numpy.zeros(1, int)
+    histogram = " ".join(f"{k}:{c}" for k, c in enumerate(counts.tolist()) if c)
+    mean = float(numpy.mean(staleness)) if staleness else 0.0
+    bounded = f", bound --max-staleness {bound}" if bound is not None else ", unbounded"
+    return (
+        f"staleness (updates behind) of the {len(staleness)} gradients applied: {histogram} "
+        f"(mean {mean:.2f}, max {max(staleness, default=0)}{bounded})"
+    )
 
 
 def parallelize(model, plan: Plan) -> ParallelModel:

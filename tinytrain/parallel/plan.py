@@ -12,6 +12,15 @@ from dataclasses import dataclass
 from tinytrain.backend import precision_dtype
 from tinytrain.nn.recompute import check_mode as check_recompute
 
+# --dp-algo: how the data-parallel replicas combine what they learn (tinytrain/parallel/data_parallel.py)
+DP_ALGOS = {
+    "allreduce": "gradients averaged by all-reduce every step (BucketedDDP)",
+    "ps": "a parameter server: rank 0 averages pushed gradients, updates, workers pull (ParameterServer)",
+    "async-ps": "an asynchronous parameter server: each gradient applied as it arrives (AsyncParameterServer)",
+    "local-sgd": "--local-steps H steps alone, then the parameters averaged (LocalSGD)",
+    "diloco": "local SGD with an outer Nesterov momentum, lr 0.7, momentum 0.9 (LocalSGD.diloco)",
+}
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -33,6 +42,11 @@ class Plan:
     ep: int = 1
     recompute: str = "none"  # activation recomputation (nn/recompute.py): none, selective, full
     precision: str = "fp32"  # parameters, activations, gradients: fp32, bf16, fp16 (float32 master weights)
+    dp_algo: str = "allreduce"  # how replicas share their learning (data_parallel.py): see DP_ALGOS
+    local_steps: int = 1  # local-sgd, diloco: inner steps between two averages (H)
+    max_staleness: int | None = None  # async-ps: the bound on a gradient's staleness (None: unbounded)
+    ps_order: str = "arrival"  # async-ps: serve gradients as they arrive, or in an order drawn from the seed
+    seed: int = 0  # (the run's --seed: async-ps --ps-order seeded draws its order from it)
 
     @property
     def world_size(self) -> int:
@@ -64,6 +78,7 @@ class Plan:
         if self.bucket_mb <= 0:
             raise ValueError(f"--bucket-mb must be positive, got {self.bucket_mb}")
         check_recompute(self.recompute)  # every layout takes every mode: it changes memory, not numbers
+        self.check_dp_algo(config)
         precision_dtype(self.precision)  # bf16 is refused on CuPy (it says so)
         if self.precision == "bf16" and (self.zero or (config.n_experts and self.dp * self.ep > 1)):
             raise ValueError(
@@ -133,6 +148,34 @@ class Plan:
 
             make_schedule(self.schedule, self.pp, self.n_microbatches, self.chunks)
             split_layers(config.n_layer, self.pp, self.chunks)
+
+    def check_dp_algo(self, config) -> None:
+        """--dp-algo, --local-steps, --max-staleness: each only where it means something."""
+        algo = self.dp_algo
+        if algo not in DP_ALGOS:
+            raise ValueError(f"--dp-algo must be one of {', '.join(DP_ALGOS)}, got {algo!r}")
+        if self.local_steps < 1:
+            raise ValueError(f"--local-steps must be at least 1, got {self.local_steps}")
+        if self.local_steps != 1 and algo not in ("local-sgd", "diloco"):
+            raise ValueError("--local-steps is the H of --dp-algo local-sgd or diloco: add one of them, or drop it")
+        if self.max_staleness is not None and (algo != "async-ps" or self.max_staleness < 0):
+            raise ValueError("--max-staleness bounds --dp-algo async-ps: give it 0 or more, with --dp-algo async-ps")
+        if self.ps_order != "arrival" and algo != "async-ps":
+            raise ValueError("--ps-order is the serving order of --dp-algo async-ps: add it, or drop --ps-order")
+        if algo == "allreduce":
+            return
+        used = {"--tp": self.tp > 1, "--pp": self.pp > 1, "--cp": self.cp > 1, "--ep": self.ep > 1}
+        used.update({"--sp": self.sp, "--zero": self.zero, "--experts": config.n_experts})
+        other = [flag for flag, on in used.items() if on]
+        if other:
+            raise ValueError(
+                f"--dp-algo {algo} replaces plain data parallel's gradient all-reduce and composes with --dp alone, "
+                f"not with {other[0]}: drop {other[0]}, or use --dp-algo allreduce"
+            )
+        if self.precision != "fp32":
+            raise ValueError(f"--dp-algo {algo} is built for --precision fp32 here: drop --precision, or use allreduce")
+        if self.dp < 2:
+            raise ValueError(f"--dp-algo {algo} needs 2 or more replicas: run `mpirun -n N tinytrain train --dp N ...`")
 
     def check_context_parallel(self, config) -> None:
         if self.cp_algo not in ("ring", "alltoall") or self.cp_split not in ("zigzag", "contiguous"):

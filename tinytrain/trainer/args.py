@@ -12,6 +12,7 @@ import math
 from tinytrain.backend import PRECISIONS
 from tinytrain.nn import GPT, GPTConfig
 from tinytrain.nn.recompute import MODES as RECOMPUTE_MODES
+from tinytrain.parallel.plan import DP_ALGOS
 
 MAX_LR = 10.0  # above this every model here diverges in its first steps
 
@@ -125,6 +126,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="ZeRO stage over the data-parallel ranks (1 optimizer state, 2 + gradients, 3 + parameters)",
     )
+    par.add_argument(
+        "--dp-algo",
+        choices=tuple(DP_ALGOS),
+        default="allreduce",
+        help="how the --dp replicas combine their gradients: "
+        + "; ".join(f"{name}: {what}" for name, what in DP_ALGOS.items()),
+    )
+    par.add_argument("--local-steps", type=int, default=1, help="local-sgd, diloco: steps alone between averages (H)")
+    par.add_argument(
+        "--max-staleness",
+        type=int,
+        default=None,
+        help="async-ps: no gradient more than this many updates behind (stale synchronous parallel; 0: synchronous)",
+    )
+    par.add_argument(
+        "--ps-order",
+        choices=("arrival", "seeded"),
+        default="arrival",
+        help="async-ps: serve gradients as they arrive, or in an order drawn from --seed (reproducible)",
+    )
     par.add_argument("--bucket-mb", type=float, default=1.0, help="DDP gradient bucket size in MB")
     par.add_argument(
         "--progress",
@@ -200,6 +221,17 @@ def check_args(args) -> None:
         raise ValueError(f"--warmup must be 0 or positive, got {args.warmup}")
     if args.warmup > args.steps:
         raise ValueError(f"--warmup {args.warmup} is longer than --steps {args.steps}")
+    if args.resume and args.dp_algo in ("async-ps", "local-sgd", "diloco"):
+        raise ValueError(
+            f"--resume with --dp-algo {args.dp_algo} is refused: "
+            + (
+                "each replica's inner optimizer state and its parameters between two averages are its own, and a "
+                "checkpoint holds one copy"
+                if args.dp_algo != "async-ps"
+                else "the versions each worker's parameters have are not in a checkpoint"
+            )
+            + "; resume with --dp-algo allreduce or ps, or start afresh"
+        )
     check_model_flags(args)
     check_memory(args)
 

@@ -213,6 +213,9 @@ class MeshRunner:
                 print_context_parallel_overlap(spans, self.plan)
         if self.last_memory is not None:
             self.print_memory()
+        report = self.parallel.comm_report()  # --dp-algo: bytes per step and the formula (every rank calls)
+        if report and self.is_main:
+            print(report, file=sys.stderr)
 
     def print_memory(self) -> None:
         """ZeRO: each rank's bytes of parameters, gradients and optimizer state (rank 0 prints)."""
