@@ -49,9 +49,30 @@ its forward with a graph (activation checkpointing). The recompute draws the sam
 as the forward did, because every mask is a pure function of (seed, step, the dropout's name)
 (``tinytrain.random``).
 
-Beyond a module: ZeRO-1/2 also take a plain list of parameters (a pipeline stage, whose forward and
-backward the pipeline runs), and ``grad_square_sums`` gives a composed layout (tensor x data
-parallel) the squares it needs to clip by one global norm. The pieces are public: ``zero.shards``
+Composed with the other strategies (``hybrid.parallelize``, as torchtitan composes FSDP), ZeRO shards
+over the *data group* (the dp axis of the mesh, dp x cp under context parallel) and each rank shards
+its own part of the model, which TP, PP and CP have already cut::
+
+    mpirun -n 4 ... --dp 2 --tp 2 --zero 3          q of a block (C x C), column-parallel over tp:
+        r0 (dp 0, tp 0)   r1 (dp 0, tp 1)          tp 0 holds q[:, :C/2], in pieces on r0 | r2
+        r2 (dp 1, tp 0)   r3 (dp 1, tp 1)          tp 1 holds q[:, C/2:], in pieces on r1 | r3
+    ZeRO's all-gather and reduce-scatter: r0 ↔ r2, r1 ↔ r3     TP's all-reduces: r0 ↔ r1, r2 ↔ r3
+
+    --tp   the units are the TP model's (``gpt_units``: embeddings, blocks, head): a gathered unit is
+           this rank's TP shard of the layer; its TP all-reduces run inside the unit, in forward and
+           again in the recompute; the head unit computes the vocab-parallel loss (``last=``)
+    --cp   context ranks see other positions of the same sequences, so they share pieces as replicas
+           do (the group is dp x cp); the embedding unit takes my positions (``first=``), ring or
+           all-to-all attention runs inside the blocks (again in the recompute)
+    --pp   a stage's parameters are one unit, gathered when the step starts and kept for all its
+           micro-batches (the pipeline runs them); their gradients accumulate whole and are
+           reduce-scattered once, after the last micro-batch, then W is freed: between steps a rank
+           holds pieces only, during a step its stage whole (torchtitan's FSDP under PP, which
+           does not reshard after forward, does the same). All-gather once per step, not twice.
+
+ZeRO-1 and 3 thus also take a plain list of parameters (a pipeline stage, whose forward and backward
+the pipeline runs), and ``grad_square_sums`` gives a composed layout (tensor x data parallel) the
+squares it needs to clip by one global norm. The pieces are public: ``zero.shards``
 (list of :class:`ShardedParam`, in parameter order), whose ``.state`` and ``.data`` a checkpoint
 reads and writes in place.
 """
@@ -94,7 +115,8 @@ class ZeroStage1(ShardedWrapper):
     @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation. Stage 1 skips communication inside; stages 2 and 3 still
-        reduce-scatter every micro-batch (keeping only pieces is their point) and add the pieces."""
+        reduce-scatter every micro-batch (keeping only pieces is their point) and add the pieces
+        (stage 3 over a pipeline stage: once per step, see the module docstring)."""
         previous, self.require_sync = self.require_sync, False
         try:
             yield
@@ -185,7 +207,8 @@ class ZeroStage3(ZeroStage2):
 
     def __init__(self, module, optimizer, group=None, units=None):
         super().__init__(module, optimizer, group)
-        units = units if units is not None else gpt_units(module)
+        if units is None:  # a pipeline stage's list of parameters is one unit, gathered for the whole step
+            units = gpt_units(module) if self.module is not None else [("stage", None, [p for _, p in self.named])]
         self.units = [
             (name, fn, [self.shard_of[id(p)] for p in params if id(p) in self.shard_of]) for name, fn, params in units
         ]
@@ -202,8 +225,15 @@ class ZeroStage3(ZeroStage2):
         self.gathered_bytes = self.peak_gathered_bytes = 0
         self.anchor = Tensor(xp.zeros(0, dtype=xp.float32), requires_grad=True)
 
-    def __call__(self, x):
-        for name, fn, shards in self.units:
+    def __call__(self, x, first=None, last=None):
+        """Run the units on ``x``. ``first`` and ``last`` stand in, for this call, for the first and
+        last unit's callable (their parameters stay the unit's): a composed layout passes the embedding
+        at its context-parallel positions, and the head with its loss (TP: vocab-parallel)."""
+        if self.module is None:
+            return super().__call__(x)  # a list of parameters has no forward: ShardedWrapper says so
+        callables = [fn for _, fn, _ in self.units]
+        callables[0], callables[-1] = first or callables[0], last or callables[-1]
+        for (name, _, shards), fn in zip(self.units, callables):
             x = ShardedUnit.apply(x, self.anchor, zero=self, fn=fn, shards=shards, name=name)
         return x
 
@@ -213,12 +243,26 @@ class ZeroStage3(ZeroStage2):
         raise NotImplementedError("TODO 3.3: For the with-block only, every listed parameter holds its full value, assembled from all ranks' pieces, with the bytes held counted (and their high-water mark); afterwards, even on error, they hold nothing again.")
 
     def _grad_ready(self, p) -> None:
-        """Called after each unit's backward that uses p: a tied weight waits for its last user."""
+        """Called after each unit's backward that uses p: a tied weight waits for its last user. A
+        pipeline stage's gradients accumulate over micro-batches instead (finish_gradient_sync)."""
+        if self.module is None:
+            return
         s = self.shard_of[id(p)]
         s.pending_users -= 1
         if s.pending_users == 0:
             s.pending_users = s.users
             super()._grad_ready(p)
+
+    def finish_gradient_sync(self) -> None:
+        """A pipeline stage: reduce-scatter the gradients its micro-batches accumulated, once per
+        step, and drop the full ones (a module's were reduce-scattered as backward completed them)."""
+        if self.module is None:
+            for s in self.shards:
+                if s.p.grad is None:
+                    s.p.grad = xp.zeros_like(s.p.data)
+                self.pending.append((s, self._reduce_scatter(s, async_op=True)))
+                s.p.grad = None
+        super().finish_gradient_sync()
 
     def _param_piece(self, s):
         return s.data

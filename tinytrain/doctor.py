@@ -33,6 +33,10 @@ SETTINGS = {
     "TINYTRAIN_KEEP_FREED_MEMORY": "1: glibc keeps freed host memory for the next arrays (no mmap per array)",
     "TINYTRAIN_MPI_THROTTLE": "MPI as it comes; 1 adds MPICH's progress throttle (see MPIR_CVAR_* below)",
     "TINYTRAIN_STRICT_GPUS": "4 fake GPUs under TINYTRAIN_DEVICE=strict",
+    "TINYTRAIN_TOPOLOGY": "no emulated nodes: every pair of ranks talks as it does (NxR: N nodes of R ranks)",
+    "TINYTRAIN_INTER_GBPS": "1 GB/s per rank's inter-node port under TINYTRAIN_TOPOLOGY",
+    "TINYTRAIN_INTER_LATENCY_US": "100 us inter-node latency under TINYTRAIN_TOPOLOGY",
+    "TINYTRAIN_PLACEMENT": "block: consecutive ranks share an emulated node (cyclic: round-robin)",
 }
 OTHER_SETTINGS = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
 MPI_PREFIXES = ("MPIR_CVAR_", "MPICH_", "OMPI_MCA_", "UCX_", "FI_")

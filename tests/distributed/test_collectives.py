@@ -170,6 +170,27 @@ def test_reduce_scatter_equal_and_uneven_matches_mpi(op):
 
 
 @pytest.mark.world_size(4)
+def test_avg_takes_bfloat16_as_mpi_averages_its_values():
+    """--precision bf16: op='avg' on ml_dtypes' bfloat16 (no numpy.floating subtype) is accepted; the
+    result is MPI's float32 average of the same bf16 values, within bf16's rounding of each add."""
+    from ml_dtypes import bfloat16
+
+    for g, k in subgroups():
+        if g is None:
+            continue
+        for n in (0, 7, 1001):
+            x = random_array(rng_for("bf16", k, n), (k, n), np.float32).astype(bfloat16)
+            ref = np.empty((k, n), dtype=np.float32)
+            g.comm.Allreduce(x.astype(np.float32), ref, op=MPI.SUM)
+            piece = dist.reduce_scatter(x, op="avg", group=g)
+            assert piece.dtype == bfloat16
+            np.testing.assert_allclose(piece.astype(np.float32), ref[g.rank : g.rank + 1] / k, rtol=0.03, atol=0.03)
+            dist.all_reduce(x, op="avg", group=g)
+            np.testing.assert_allclose(x.astype(np.float32), ref / k, rtol=0.03, atol=0.03)
+            assert_same_on_all_ranks(x.view(np.uint16), g)
+
+
+@pytest.mark.world_size(4)
 def test_all_to_all_equal_and_uneven_matches_mpi():
     for g, k in subgroups():
         if g is None:

@@ -98,6 +98,28 @@ def test_a_fault_ends_the_job_with_its_message(tmp_path, fault, rank, ranks, bud
         assert len(errors) == 1, output  # printed once
 
 
+TOPOLOGY_CASES = [c for c in CASES if (c[0], c[2]) in (("raise", 4), ("spin", 4))] + [
+    ("stop", 2, 4, 15, 1, [r"(?i)rank 2 has sent no heartbeat.*stopped or frozen"]),
+]
+
+
+@pytest.mark.parametrize(
+    "fault,rank,ranks,budget,code,messages", TOPOLOGY_CASES, ids=[f"{c[0]}-rank{c[1]}" for c in TOPOLOGY_CASES]
+)
+def test_a_fault_under_the_emulated_topology_ends_in_seconds(tmp_path, fault, rank, ranks, budget, code, messages):
+    """The same faults with 2 emulated nodes of 2 and a slow link between them (its messages held
+    back in p2p): the deadlines and the failure side channel still end the job within the budget."""
+    import re
+
+    env = dict(QUICK, TINYTRAIN_TOPOLOGY="2x2", TINYTRAIN_INTER_GBPS="0.1", TINYTRAIN_INTER_LATENCY_US="2000")
+    rc, seconds, output = inject(tmp_path, fault, rank, ranks, **env)
+    print(f"FAULT {fault} under 2x2: exit {rc} after {seconds:.1f} s\n{output}")
+    assert rc == code and seconds < budget, (seconds, output)
+    for message in messages:
+        assert re.search(message, output), (message, output)
+    assert "Traceback" not in output
+
+
 def test_an_honest_slow_rank_is_not_a_failure(tmp_path):
     """Rank 1 sleeps 3 s in a step: three times TINYTRAIN_TIMEOUT=1, and three times the 1 s a silent
     rank is given (TINYTRAIN_HEARTBEAT=0.25). Its heartbeats say it computes, so the others keep

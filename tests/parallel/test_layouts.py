@@ -83,6 +83,10 @@ def run_layout(tmp_path, layout: str, extra=(), key="addition") -> None:
         "--pp 4 --schedule zb-h1",
         "--pp 2 --dp 2 --zero 1 --schedule zb-h1",
         "--pp 2 --tp 2 --sp --schedule zb-h1",
+        "--dp 2 --tp 2 --zero 3",
+        "--dp 2 --tp 2 --sp --zero 3",
+        "--pp 2 --dp 2 --zero 3",
+        "--pp 2 --dp 2 --zero 3 --schedule interleaved --chunks 2 --microbatches 4",
     ],
 )
 def test_four_rank_layouts_lie_on_the_serial_curve(tmp_path, layout):
@@ -105,6 +109,8 @@ def test_two_rank_layouts_lie_on_the_serial_curve(tmp_path, layout):
         "--dp 2 --cp 2",
         "--cp 2 --tp 2",
         "--dp 2 --cp 2 --zero 1",
+        "--dp 2 --cp 2 --zero 3",
+        "--dp 2 --cp 2 --zero 3 --cp-algo alltoall",
     ],
 )
 def test_context_parallel_layouts_lie_on_the_serial_curve(tmp_path, layout):
@@ -164,9 +170,10 @@ def test_expert_parallel_reports_and_draws_the_expert_load(tmp_path):
 
 
 @pytest.mark.world_size(8)
-def test_every_strategy_at_once_lies_on_the_serial_curve(tmp_path):
-    """Needs `mpirun -n 8` (the suite's 4 ranks skip it): DP x PP x TP with SP and ZeRO-1."""
-    run_layout(tmp_path, "--dp 2 --pp 2 --tp 2 --sp --zero 1")
+@pytest.mark.parametrize("zero", ["1", "3"])
+def test_every_strategy_at_once_lies_on_the_serial_curve(tmp_path, zero):
+    """Needs `mpirun -n 8` (the suite's 4 ranks skip it): DP x PP x TP with SP and ZeRO-1 or 3."""
+    run_layout(tmp_path, f"--dp 2 --pp 2 --tp 2 --sp --zero {zero}")
 
 
 @pytest.mark.world_size(4)
@@ -225,7 +232,6 @@ def test_pipeline_plot_and_trace_leave_their_files(tmp_path):
         (["--pp", "2", "--chunks", "2"], "needs --schedule interleaved"),
         (["--pp", "2", "--layers", "1"], "one would be empty"),
         (["--pp", "2", "--zero", "2"], "use --zero 1 with --pp"),
-        (["--tp", "2", "--zero", "3"], "use --zero 1 or 2 with --tp"),
         (["--tp", "2", "--heads", "3", "--width", "33"], "number of attention heads = 3"),
         (["--sp"], "add --tp 2 or more"),
         (["--ep", "2"], "--ep places experts on ranks: add --experts"),

@@ -91,6 +91,9 @@ MOE = "--experts 4 --dropout 0 --capacity-factor 1.0"  # experts split over EP r
         ("--dp 2 --ep 2", "", MOE),
         ("", "--ep 4", MOE),
         ("--dp 2 --ep 2", "", MOE + " --balance bias --bias-rate 0.01"),  # the routing bias resumes too
+        ("--dp 2 --tp 2 --zero 3", "--pp 2 --dp 2 --zero 3", ""),
+        ("--dp 2 --cp 2 --zero 3", "--dp 2 --tp 2 --sp --zero 3", ""),
+        ("--pp 2 --dp 2 --zero 3", "", ""),
     ],
     ids=[
         "dp2tp2-to-pp4",
@@ -106,6 +109,9 @@ MOE = "--experts 4 --dropout 0 --capacity-factor 1.0"  # experts split over EP r
         "dp2ep2-to-serial",
         "serial-to-ep4",
         "dp2ep2-bias-to-serial",
+        "dp2tp2zero3-to-pp2dp2zero3",
+        "dp2cp2zero3-to-dp2tp2spzero3",
+        "pp2dp2zero3-to-serial",
     ],
 )
 def test_resume_under_another_layout_stays_on_the_serial_curve(tmp_path, monkeypatch, first, then, model):

@@ -31,7 +31,10 @@ from tinytrain.autograd import Tensor
 from tinytrain.backend import xp
 from tinytrain.data import shard_rows
 from tinytrain.nn import GPT, GPTConfig
+from tinytrain.optim import AdamW
 from tinytrain.parallel.data_parallel import NaiveDDP, trainable
+from tinytrain.parallel.hybrid import parallelize
+from tinytrain.parallel.plan import Plan
 from tinytrain.parallel.zero import (
     ZERO_STAGES,
     Zero,
@@ -176,6 +179,49 @@ def test_communication_volume_of_ddp_and_the_three_stages():
     wte = 32 * 16  # the tied embedding is gathered by two layers, forward and backward
     assert totals[3] == 3 * (n - 1) * 4 * psi + 2 * (n - 1) * 4 * wte
     assert 1.5 <= totals[3] / totals[0] < 1.6
+
+
+# ZeRO-3 composed (hybrid.parallelize): it shards over the data group (dp; dp x cp under CP), each
+# rank the pieces of its own part: its TP shard (tp), its pipeline stage (pp), the whole model (cp)
+COMPOSED = {
+    "dp2 x tp2": Plan(dp=2, tp=2, zero=3),
+    "dp2 x tp2 sp": Plan(dp=2, tp=2, sp=True, zero=3),
+    "dp2 x pp2": Plan(dp=2, pp=2, zero=3),
+    "dp2 x cp2": Plan(dp=2, cp=2, zero=3),
+}
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("layout", list(COMPOSED))
+def test_zero3_composed_holds_pieces_of_its_part_and_moves_them_over_the_data_axis(layout):
+    """What a rank holds: 4 + 4 bytes per element of its pieces (8 of AdamW state after a step), the
+    pieces being 1/N of its part (N: the data group's size) and its part less than the model under TP
+    and PP. What it sends over the data group, measured: a module gathers each unit forward and again
+    backward and reduce-scatters each gradient once; a pipeline stage gathers once for the step."""
+    plan = COMPOSED[layout]
+    config = GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+    psi = sum(p.size for p in GPT(config).parameters())
+    model = parallelize(GPT(config, seed=0), plan)
+    zero, n, rank = model.zero, model.data_group.size, model.zero.rank
+    assert zero.stage == 3 and n == plan.dp * plan.cp
+    x, y = global_batch(0, 8)
+    random.manual_seed((0, 0))
+    with dist.comm_stats() as stats:
+        model.forward_backward(x, y)
+    part = sum(sum(s.sizes) for s in zero.shards)  # elements of this rank's TP shard or stage
+    mine = my_elements(zero)
+    assert abs(mine - part / n) < len(zero.shards)
+    assert (part < psi) == (plan.tp * plan.pp > 1), (layout, part, psi)
+    mem = zero.memory()
+    assert (mem["params"], mem["grads"]) == (4 * mine, 4 * mine), f"{layout} on rank {dist.get_rank()}: {mem}"
+    model.step(AdamW(model.parameters(), lr=1e-2))
+    assert zero.memory()["optimizer"] == 8 * mine
+    rs = sum(4 * (sum(s.sizes) - s.sizes[rank]) for s in zero.shards)
+    gathers = [4 * (sum(s.sizes) - s.sizes[(rank + 1) % n]) for _, _, shards in zero.units for s in shards]
+    passes = 1 if plan.pp > 1 else 2  # a stage stays gathered for the step: no second gather in backward
+    group = zero.group.name
+    assert stats.sent("reduce_scatter", group) == rs, layout
+    assert stats.sent("all_gather", group) == passes * sum(gathers), layout
 
 
 @pytest.mark.world_size(4)

@@ -414,6 +414,66 @@ def _measure(
     return best
 
 
+# --- under an emulated topology: hierarchical against the flat ring, measured and modelled ----------
+
+
+def hierarchy(world, sizes: list[int], rounds: int) -> list[dict]:
+    """Our all_reduce over ``world`` as the flat ring and as the hierarchical algorithm under the
+    emulated topology (``distributed/topology.py``), interleaved, best of ``rounds``; next to each the
+    α-β model's time (``costs``): the inter-node link is the emulated one in series with shared memory,
+    whose α and bandwidth are fitted here to ring all-reduces inside each node (``planner.emulated.node_link``,
+    as ``plan --measure`` calibrates). Printed on rank 0;
+    returns the rows."""
+    from tinytrain import distributed as dist
+    from tinytrain.distributed import topology
+    from tinytrain.distributed.choice import choose_all_reduce_algo
+    from tinytrain.parallel import costs
+    from tinytrain.planner.emulated import node_link
+
+    links = topology.active
+    nodes = links.nodes_of(world.world_ranks)
+    local, comm = len(nodes[0]), world.comm
+    intra = node_link(world, rounds)
+    inter = costs.series_link((links.inter_latency, links.inter_bw), intra)
+    rows = []
+    if world.rank == 0:
+        print(
+            f"# hierarchical vs flat ring all_reduce, emulated {links.nodes} nodes x {local} ranks: inter-node "
+            f"{links.inter_bw / 1e9:g} GB/s, {links.inter_latency * 1e6:g} us (+ shared memory under it); "
+            f"shared memory fitted: {intra[0] * 1e6:.1f} us, {intra[1] / 1e9:.2f} GB/s"
+        )
+        print(f"# {'size':>7}{'ring us':>11}{'model':>9}{'hierarchical us':>17}{'model':>9}{'speedup':>9}{'model':>8}")
+    for size in sizes:
+        count = max(1, size // 4)
+        a = numpy.zeros(count, dtype=numpy.float32)
+        ring = costs.collective_time("all_reduce", 4 * count, len(world.world_ranks), *inter)
+        algo = choose_all_reduce_algo(4 * count // local)
+        hier = costs.hierarchical_all_reduce_time(4 * count, len(nodes), local, intra, inter, algo)
+        iters = max(2, min(50, int(0.05 / ring)))
+        best = {"ring": float("inf"), "hierarchical": float("inf")}
+        for _ in range(rounds):
+            for name in best:
+                best[name] = min(best[name], _time(lambda: dist.all_reduce(a, algo=name), iters, comm))
+        row = {
+            "collective": "all_reduce",
+            "size_bytes": 4 * count,
+            "ranks": len(world.world_ranks),
+            "topology": repr(links),
+            "ring_us": best["ring"] * 1e6,
+            "ring_model_us": ring * 1e6,
+            "hierarchical_us": best["hierarchical"] * 1e6,
+            "hierarchical_model_us": hier * 1e6,
+        }
+        rows.append(row)
+        if world.rank == 0:
+            print(
+                f"  {_fmt_size(4 * count):>7}{row['ring_us']:11.1f}{ring * 1e6:9.1f}{row['hierarchical_us']:17.1f}"
+                f"{hier * 1e6:9.1f}{best['ring'] / best['hierarchical']:9.2f}{ring / hier:8.2f}",
+                flush=True,
+            )
+    return rows
+
+
 # --- MPI as it comes: a second launch, driven by rank 0 over a pipe ---------------------------------
 
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_LOCAL", "OMPI_")  # this launch's wiring
@@ -623,6 +683,10 @@ def run(args) -> int:
     finally:
         if baseline is not None:
             baseline.close()
+    from tinytrain.distributed import topology
+
+    if topology.active is not None and "all_reduce" in args.collectives:
+        rows += hierarchy(dist.world(), sizes, args.rounds)
     if comm.Get_rank() == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -646,6 +710,13 @@ def _header(args, n: int, mpi: str, baseline) -> None:
         print(f"# MPI as it comes: this launch, interleaved with ours (MPICH settings: {mpich_settings()})")
     if mpi in ("here", "both"):
         print(f"# MPI here: this launch, MPICH settings: {mpich_settings()}")
+    from tinytrain.distributed import topology
+
+    if topology.active is not None:
+        print(
+            f"# emulated topology {topology.active}: ours pays its inter-node link, MPI's own collectives do "
+            "not (ratios compare nothing here; the hierarchical-vs-ring table below does)"
+        )
     against = "MPI here" if mpi == "here" else "MPI as it comes"
     print(f"# ratio = our busbw / busbw of {against} (above 1: ours faster; below 1: MPI faster)")
     if mpi == "both":
@@ -664,10 +735,13 @@ def _header(args, n: int, mpi: str, baseline) -> None:
 
 def _bench(args, comm, mpi: str, baseline) -> list:
     """Every (collective, size) measured and printed (rank 0); the rows."""
+    from tinytrain.distributed import topology
     from tinytrain.distributed.collectives import choose_all_reduce_algo
 
     n, rank = comm.Get_size(), comm.Get_rank()
     sizes = _sizes(args)
+    links = topology.active
+    nodes = None if links is None else links.nodes_of(tuple(range(n)))
     receive_check, on_device = getattr(args, "receive_check", False), getattr(args, "device", False)
     floor = getattr(args, "floor", False)
     if rank == 0:
@@ -677,7 +751,7 @@ def _bench(args, comm, mpi: str, baseline) -> list:
     for name in args.collectives:
         for size in sizes:
             algo = {
-                "all_reduce": args.algo or choose_all_reduce_algo(max(1, size // 4) * 4),
+                "all_reduce": args.algo or choose_all_reduce_algo(max(1, size // 4) * 4, nodes),
                 "all_gather": "ring",
                 "reduce_scatter": "ring",
                 "all_to_all": "pairwise",

@@ -2,7 +2,8 @@
 
 Each strategy is a ``Plan`` run by the training stack itself (``trainer.runners.make_runner``, so
 ``hybrid.parallelize``), on the same model, batch and seed: serial (rank 0 alone, the others wait),
-DP, ZeRO-1/2/3, TP, TP+SP, and PP with each schedule (gpipe, 1f1b, interleaved). Per strategy::
+DP, ZeRO-1/2/3, TP, TP+SP, PP with each schedule (gpipe, 1f1b, interleaved), and ZeRO-3 composed
+with TP and with PP (2 x 2). Per strategy::
 
     time        seconds of one step (forward, backward, AdamW), the slowest rank's, best of --steps
                 after one warm-up step (noise only ever adds time)
@@ -13,7 +14,11 @@ DP, ZeRO-1/2/3, TP, TP+SP, and PP with each schedule (gpipe, 1f1b, interleaved).
     activations peak bytes saved for backward in the step (``autograd.peak_saved_bytes``)
     peak        params + grads + optimizer + activations (+ ZeRO-3's gathered layers): an upper
                 bound of the rank's peak, all four at once; the table shows the largest rank's
+    planned     the planner's figure for the same layout (``planner.tinytrain_memory``: AdamW in the
+                run's precision, tinytrain's activation terms); the JSON has it as ``planned_bytes``
 
+``--precision bf16|fp16`` runs every strategy in that precision (16-bit parameters, gradients and
+activations, AdamW's float32 masters and moments: the ZeRO paper's 2Ψ + 2Ψ + 12Ψ).
 ``--json FILE`` writes every rank's figures (lists indexed by rank) for the planner and notebooks.
 """
 
@@ -37,6 +42,8 @@ STRATEGIES = {
     "pp-gpipe": {"pp": 4, "schedule": "gpipe"},
     "pp-1f1b": {"pp": 4, "schedule": "1f1b"},
     "pp-interleaved": {"pp": 4, "schedule": "interleaved", "chunks": 2},
+    "zero3+tp": {"dp": 2, "tp": 2, "zero": 3},
+    "zero3+pp": {"dp": 2, "pp": 2, "zero": 3},
 }
 RANKS = 4
 # tiny by default: 8 layers so the interleaved pipeline has 2 per stage, 4 heads for --tp 4
@@ -51,13 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-embd", type=int, default=MODEL["n_embd"], help="model width (a multiple of 4)")
     parser.add_argument("--n-layer", type=int, default=MODEL["n_layer"], help="layers (a multiple of 8)")
     parser.add_argument("--block-size", type=int, default=MODEL["block_size"], help="context length")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="of every strategy")
     parser.add_argument("--json", default=None, help="also write every rank's figures as JSON to this file")
 
 
-def plan_of(name: str):
+def plan_of(name: str, precision: str = "fp32"):
     from tinytrain.parallel.plan import Plan
 
-    return Plan(**STRATEGIES[name])
+    return Plan(**STRATEGIES[name], precision=precision)
 
 
 def _memory(runner, optimizer) -> dict:
@@ -97,14 +105,14 @@ def _one_step(runner, optimizer, x, y) -> tuple[float, object, dict]:
     return seconds, stats, memory | {"activations": peak_saved_bytes()}
 
 
-def measure(name: str, config, batch: int, steps: int) -> dict | None:
+def measure(name: str, config, batch: int, steps: int, precision: str = "fp32") -> dict | None:
     """One strategy on every rank: its figures on this rank (``None`` on a rank that sat out)."""
     from tinytrain import distributed as dist
     from tinytrain.nn import GPT
     from tinytrain.optim import AdamW
     from tinytrain.trainer.runners import make_runner
 
-    plan = plan_of(name)
+    plan = plan_of(name, precision)
     if plan.is_serial and dist.get_rank() != 0:
         return None
     runner = make_runner(GPT(config, seed=0), plan, batch)
@@ -142,7 +150,22 @@ def _flags(plan) -> str:
     return plan.flags() + f" --schedule {plan.schedule}" + (f" --chunks {plan.chunks}" if plan.chunks > 1 else "")
 
 
-def _row(name: str, per_rank: list) -> dict:
+def planned_memory(name: str, config, batch: int, precision: str = "fp32") -> dict:
+    """The planner's bytes per rank for strategy ``name`` on this GPT (``planner.tinytrain_memory``)."""
+    from tinytrain.planner import Layout, ModelSpec, tinytrain_memory
+
+    plan = plan_of(name, precision)
+    c = config
+    spec = ModelSpec(c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.block_size, batch, c.tie_weights, c.bias)
+    microbatch = batch // (plan.dp * (plan.n_microbatches if plan.pp > 1 else 1))
+    layout = Layout(plan.dp, plan.tp, plan.pp, plan.cp, plan.sp, plan.zero, microbatch)
+    state, itemsize = ((4, 4, 8), 4) if precision == "fp32" else ((2, 2, 12), 2)
+    return tinytrain_memory(
+        spec, layout, state, plan.schedule, plan.chunks, plan.n_microbatches, config.dropout > 0, itemsize
+    )
+
+
+def _row(name: str, per_rank: list, planned: dict) -> dict:
     ran = [r for r in per_rank if r is not None]
     memory = {k: [r[k] for r in ran] for k in MEMORY_KEYS}
     peaks = [sum(r[k] for k in MEMORY_KEYS) for r in ran]
@@ -154,21 +177,24 @@ def _row(name: str, per_rank: list) -> dict:
         "sent_bytes": [int(r["sent"]) for r in ran],
         **{f"{k}_bytes": [int(b) for b in v] for k, v in memory.items()},
         "peak_bytes": [int(b) for b in peaks],
+        "planned_bytes": int(planned["total"]),
     }
 
 
-def _print_table(rows: list, config, batch: int, steps: int) -> None:
+def _print_table(rows: list, config, batch: int, steps: int, precision: str) -> None:
     def mib(b):
         return f"{b / 2**20:8.3f}"
 
     print(
         f"# tinytrain bench strategies: GPT {config.n_layer} layers x {config.n_embd} wide, T={config.block_size}, "
-        f"batch {batch}, AdamW, {RANKS} ranks (serial: rank 0 alone); best of {steps} steps after a warm-up"
+        f"batch {batch}, AdamW ({precision}), {RANKS} ranks (serial: rank 0 alone); "
+        f"best of {steps} steps after a warm-up"
     )
     print("# sent: bytes one rank sent in the step; memory in MiB on the rank with the largest peak")
+    print("# planned: the planner's peak per rank for the layout (planner.tinytrain_memory)")
     print(
         f"# {'strategy':<16}{'plan':<44}{'time ms':>9}{'sent KiB':>10}{'params':>9}{'grads':>9}"
-        f"{'optim':>9}{'activ':>9}{'peak':>9}{'x serial':>9}"
+        f"{'optim':>9}{'activ':>9}{'peak':>9}{'planned':>9}{'x serial':>9}"
     )
     serial = next((r["time_ms"] for r in rows if r["strategy"] == "serial"), None)
     for r in rows:
@@ -177,7 +203,7 @@ def _print_table(rows: list, config, batch: int, steps: int) -> None:
         versus = f"{r['time_ms'] / serial:9.2f}" if serial else f"{'-':>9}"
         print(
             f"  {r['strategy']:<16}{r['plan']:<44}{r['time_ms']:9.1f}{max(r['sent_bytes']) / 1024:10.1f}"
-            f"{memory} {mib(r['peak_bytes'][top])}{versus}",
+            f"{memory} {mib(r['peak_bytes'][top])} {mib(r['planned_bytes'])}{versus}",
             flush=True,
         )
     if serial:
@@ -209,11 +235,12 @@ def run(args) -> int:
     config = GPTConfig(**dict(MODEL, n_embd=args.n_embd, n_layer=args.n_layer, block_size=args.block_size))
     rows = []
     for name in args.strategies:
-        per_rank = _gather(measure(name, config, args.batch, args.steps))  # the serial run's idle ranks wait here
+        mine = measure(name, config, args.batch, args.steps, args.precision)
+        per_rank = _gather(mine)  # the serial run's idle ranks wait here
         if dist.get_rank() == 0:
-            rows.append(_row(name, per_rank))
+            rows.append(_row(name, per_rank, planned_memory(name, config, args.batch, args.precision)))
     if dist.get_rank() == 0:
-        _print_table(rows, config, args.batch, args.steps)
+        _print_table(rows, config, args.batch, args.steps, args.precision)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)

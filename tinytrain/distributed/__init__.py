@@ -13,11 +13,13 @@ The API follows ``torch.distributed``::
     tp = mesh.get_group("tp")
 
 Files, in reading order (each imports only files above it): ``watchdog.py`` (deadlines, peer
-failure), ``group.py`` (init, groups), ``mesh.py`` (the device mesh), ``p2p.py`` (send/recv, the
+failure), ``topology.py`` (an emulated cluster: nodes, a slow link between them), ``group.py``
+(init, groups), ``mesh.py`` (the device mesh), ``p2p.py`` (send/recv, the
 ``Exchange`` step every algorithm is built from; every receive checks the bytes that arrived),
 ``stats.py`` (bytes, per group, operation and peer), ``work.py`` (a call's
 steps, async handles, progress, debug-mode signature checks), ``chunks.py``, ``doubling.py`` and
-``rooted.py`` (the latency-optimal and the root-centred algorithms, the stand-ins), ``checks.py``,
+``rooted.py`` (the latency-optimal and the root-centred algorithms, the stand-ins),
+``hierarchical.py`` (all-reduce inside the nodes, then across), ``checks.py``,
 ``choice.py`` and ``collectives.py`` (the public functions, their argument checks and choice of
 algorithm, over a module of algorithms), ``algorithms.py`` (ring, pairwise and tree algorithms with
 their diagrams: assignment 1 is made from it; ``all_reduce`` and the others exported here are bound
@@ -31,7 +33,9 @@ signatures), ``TINYTRAIN_TRACE=1`` (record spans, see tinytrain.trace),
 run on a stand-in for CuPy, see ``tinytrain.backend``), ``TINYTRAIN_SPIN`` and ``TINYTRAIN_YIELD_FOR``
 (how a waiting rank polls: spin, yield its core, then sleep; see ``watchdog.py``),
 ``TINYTRAIN_GPU=<index>`` (the GPU every rank of this process uses; by default ``init()`` gives
-local rank r GPU r mod the number of GPUs, see ``tinytrain.backend``).
+local rank r GPU r mod the number of GPUs, see ``tinytrain.backend``), ``TINYTRAIN_TOPOLOGY=NxR``
+with ``TINYTRAIN_INTER_GBPS``, ``TINYTRAIN_INTER_LATENCY_US`` and ``TINYTRAIN_PLACEMENT`` (an
+emulated cluster, see ``topology.py``).
 """
 
 from . import trace_merge

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy
 
+from tinytrain.backend import is_low_precision
+
 from .chunks import OPS, xp_of
 from .p2p import check_buffer
 
@@ -17,7 +19,8 @@ from .p2p import check_buffer
 def check_op(op: str, dtype) -> str:
     if op not in OPS:
         raise ValueError(f"op={op!r} is not one of {', '.join(OPS)}")
-    if op == "avg" and not numpy.issubdtype(numpy.dtype(dtype), numpy.floating):
+    # ml_dtypes' bfloat16 is no numpy.floating subtype, but it divides as floats do (--precision bf16)
+    if op == "avg" and not (numpy.issubdtype(numpy.dtype(dtype), numpy.floating) or is_low_precision(dtype)):
         raise ValueError(f"op='avg' needs a floating dtype, got {dtype}; use op='sum' and divide yourself")
     return op
 

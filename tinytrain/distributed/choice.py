@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 from . import rooted
+from .hierarchical import balanced
 
 # all_reduce picks its algorithm by buffer size (measured with `tinytrain bench collectives` on 4
 # ranks sharing 2 cores, where every step costs a scheduling delay):
@@ -22,14 +23,20 @@ from . import rooted
 #   otherwise               ring: 2(n-1) steps of 1/n of the buffer, bandwidth-optimal on any n
 SMALL_MESSAGE_BYTES = 256 * 1024
 LARGE_MESSAGE_BYTES = 4 * 1024 * 1024
-ALL_REDUCE_ALGOS = ("ring", "recursive_doubling", "halving_doubling", "naive")
+ALL_REDUCE_ALGOS = ("ring", "recursive_doubling", "halving_doubling", "naive", "hierarchical")
 
 # The framework's algorithms: the only module whose cut-out algorithms fall back to stand-ins.
 FRAMEWORK_ALGORITHMS = "tinytrain.distributed.algorithms"
 
 
-def choose_all_reduce_algo(nbytes: int) -> str:
-    """The all_reduce algorithm used for a buffer of ``nbytes`` when ``algo`` is not given."""
+def choose_all_reduce_algo(nbytes: int, nodes: list[list[int]] | None = None) -> str:
+    """The all_reduce algorithm used for a buffer of ``nbytes`` when ``algo`` is not given.
+
+    ``nodes``: the group's ranks on each node of an emulated topology (``topology.py``); when the
+    group spans several nodes with the same number of ranks (more than one) on each, the
+    hierarchical all-reduce (``hierarchical.py``), whose own inter-node phase is chosen by size."""
+    if nodes is not None and balanced(nodes):
+        return "hierarchical"
     if nbytes < SMALL_MESSAGE_BYTES:
         return "recursive_doubling"
     return "halving_doubling" if nbytes < LARGE_MESSAGE_BYTES else "ring"

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy
 
-from . import doubling, rooted, work
+from . import doubling, hierarchical, rooted, topology, work
 from .checks import (
     all_to_all_sizes,
     check_algo,
@@ -88,25 +88,33 @@ class Collectives(AlgorithmSource):
 
         algo: ``"ring"``, ``"recursive_doubling"``, ``"halving_doubling"`` (default: chosen by size,
         see :func:`choose_all_reduce_algo`), ``"naive"`` (gather to rank 0 + send back: the
-        parameter-server shape).
+        parameter-server shape), ``"hierarchical"`` (inside the nodes, then across: the default
+        when an emulated topology puts the group on several nodes, see ``hierarchical.py``).
         """
         __tracebackhide__ = True  # in pytest, errors point at the caller's line
         g = resolve(group)
         check_buffer(tensor, "all_reduce", writable=True)
 
+        links = topology.active  # part of the plan's key: the choice depends on it
+
         def plan():
             check_op(op, tensor.dtype)
-            chosen = check_algo("all_reduce", algo, ALL_REDUCE_ALGOS, choose_all_reduce_algo(tensor.nbytes))
+            nodes = None if links is None else links.nodes_of(g.world_ranks)
+            chosen = check_algo("all_reduce", algo, ALL_REDUCE_ALGOS, choose_all_reduce_algo(tensor.nbytes, nodes))
             return chosen, signature_bits("all_reduce", tensor, op)
 
-        algo, sig_bits = _planned(("all_reduce", g, tensor.size, tensor.dtype, op, algo), plan)
-        if algo == "ring" and self._cut_out("_all_reduce_ring", "_ring_reduce_scatter", "_ring_all_gather"):
+        algo, sig_bits = _planned(("all_reduce", g, tensor.size, tensor.dtype, op, algo, links), plan)
+        if algo in ("ring", "hierarchical") and self._cut_out(
+            "_all_reduce_ring", "_ring_reduce_scatter", "_ring_all_gather"
+        ):
             algo = "halving_doubling"  # student release: the ring is an assignment (see rooted.py)
         flat = tensor.reshape(-1)
         if algo == "recursive_doubling":
             body = doubling.all_reduce_recursive_doubling
         elif algo == "halving_doubling":
             body = doubling.all_reduce_halving_doubling
+        elif algo == "hierarchical":
+            body = self._all_reduce_hierarchical(g, links)
         else:
             body = self._alg("_all_reduce_ring") if algo == "ring" else rooted.all_reduce_naive
 
@@ -118,6 +126,25 @@ class Collectives(AlgorithmSource):
 
         c = Call(g, "all_reduce", algo, sig_bits)
         return run(c, steps(), async_op, lambda: signature(tensor, same_shape=True, reduce=op, algo=algo))
+
+    def _all_reduce_hierarchical(self, g, links):
+        """The hierarchical all-reduce over ``g``'s nodes (one node without a topology), on this
+        module's ring algorithms, the inter-node phase by the piece's size (``hierarchical.py``)."""
+        nodes = [list(range(g.size))] if links is None else links.nodes_of(g.world_ranks)
+        reduce_scatter, all_gather = self._alg("_ring_reduce_scatter"), self._alg("_ring_all_gather")
+
+        def across(view, piece, op):
+            algo = choose_all_reduce_algo(piece.nbytes)
+            if algo == "ring":
+                return self._alg("_all_reduce_ring")(view, piece, op)
+            if algo == "halving_doubling":
+                return doubling.all_reduce_halving_doubling(view, piece, op)
+            return doubling.all_reduce_recursive_doubling(view, piece, op)
+
+        def body(c, flat, op):
+            return hierarchical.all_reduce_hierarchical(c, flat, op, nodes, reduce_scatter, all_gather, across)
+
+        return body
 
     def broadcast(self, tensor, src: int = 0, group=None, async_op: bool = False, algo: str | None = None):
         """Copy ``tensor`` from rank ``src`` to every rank, **in place**. algo: ``"tree"``, ``"naive"``."""

@@ -21,7 +21,7 @@ import zlib
 
 from tinytrain import backend, trace
 
-from . import watchdog
+from . import topology, watchdog
 from ._mpi import MPI
 
 _world: ProcessGroup | None = None
@@ -81,6 +81,8 @@ def init(comm=None) -> ProcessGroup:
     if _world is None:
         comm = MPI.COMM_WORLD if comm is None else comm
         watchdog.check_settings()  # a bad TINYTRAIN_TIMEOUT fails here, named, not in a wait
+        if topology.active is None:
+            topology.install(topology.from_env())  # TINYTRAIN_TOPOLOGY: an emulated cluster
         _install_world(comm)
         _bind_gpu(comm)
     return _world

@@ -24,7 +24,11 @@ class DeviceMesh:
         dp=1  ->  rank 2  rank 3
 
     Ranks next to each other (on one node, with fast links) share a TP group, which is what tensor
-    parallelism wants; DP groups stride across them. Every rank must construct the mesh.
+    parallelism wants; DP groups stride across them. Launchers place consecutive ranks on a node
+    (so does the emulated topology, ``topology.py``), so a TP group of up to a node's ranks never
+    leaves its node: with 2 nodes of 4, ``{"dp": 2, "tp": 4}`` gives TP groups [0 1 2 3] and
+    [4 5 6 7] (:func:`axis_groups` lists them without building the mesh). Every rank must
+    construct the mesh.
     """
 
     def __init__(self, shape: dict[str, int], group=None):
@@ -47,23 +51,15 @@ class DeviceMesh:
         self.coords = self.coords_of(base.rank)
         self._groups = {}
         for axis in self.axis_names:  # same order on every rank, so group creation matches up
-            members = [self.rank_at(**{**self.coords, axis: i}) for i in range(self.shape[axis])]
-            self._groups[axis] = _subgroup(base, members, axis)
+            self._groups[axis] = _subgroup(base, _members(self.shape, self.coords, axis), axis)
 
     def coords_of(self, rank: int) -> dict[str, int]:
         """The coordinates of a rank of the mesh's base group."""
-        coords = {}
-        for axis in reversed(self.axis_names):
-            coords[axis] = rank % self.shape[axis]
-            rank //= self.shape[axis]
-        return {axis: coords[axis] for axis in self.axis_names}
+        return _coords(self.shape, rank)
 
     def rank_at(self, **coords) -> int:
         """The rank at the given coordinates (all axes must be given)."""
-        rank = 0
-        for axis in self.axis_names:
-            rank = rank * self.shape[axis] + int(coords[axis])
-        return rank
+        return _rank_at(self.shape, coords)
 
     def get_group(self, *axes: str) -> ProcessGroup:
         """The group of ranks that differ from this one only along ``axes``: one axis, or several
@@ -96,3 +92,34 @@ class DeviceMesh:
 
     def __repr__(self) -> str:
         return f"DeviceMesh({self.shape}, rank={self.rank}, coords={self.coords})"
+
+
+def _coords(shape: dict[str, int], rank: int) -> dict[str, int]:
+    coords = {}
+    for axis in reversed(tuple(shape)):
+        coords[axis] = rank % shape[axis]
+        rank //= shape[axis]
+    return {axis: coords[axis] for axis in shape}
+
+
+def _rank_at(shape: dict[str, int], coords: dict[str, int]) -> int:
+    rank = 0
+    for axis in shape:
+        rank = rank * shape[axis] + int(coords[axis])
+    return rank
+
+
+def _members(shape: dict[str, int], coords: dict[str, int], axis: str) -> list[int]:
+    """The ranks that differ from ``coords`` only along ``axis``, in order along it."""
+    return [_rank_at(shape, {**coords, axis: i}) for i in range(shape[axis])]
+
+
+def axis_groups(shape: dict[str, int], axis: str) -> list[list[int]]:
+    """Every group of ``axis`` in a mesh of ``shape`` (ranks of its base group), without building
+    it: ``axis_groups({"dp": 2, "tp": 2}, "tp") == [[0, 1], [2, 3]]``."""
+    groups = []
+    for rank in range(math.prod(shape.values())):
+        members = _members(shape, _coords(shape, rank), axis)
+        if members not in groups:
+            groups.append(members)
+    return groups

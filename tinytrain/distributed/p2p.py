@@ -33,14 +33,16 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 
 import numpy
 
 from tinytrain import backend, trace
 
-from . import stats, watchdog
+from . import stats, topology, watchdog
 from ._mpi import MPI
-from .group import resolve
+from .group import on_uninstall, resolve
 
 MAX_USER_TAG = 1023  # collectives use tags above this, so user p2p can never match them
 
@@ -127,7 +129,7 @@ class Exchange:
     error messages. ``what`` names the algorithm step ("ring all-gather step 2/3").
     """
 
-    __slots__ = ("group", "op", "what", "reqs", "posted", "after", "start", "nbytes", "statuses", "done")
+    __slots__ = ("group", "op", "what", "reqs", "posted", "after", "start", "nbytes", "statuses", "done", "held")
 
     # Every collective step goes through here, so it is written for speed: a 1 KiB all-reduce on
     # 4 ranks is two steps, and each microsecond of Python here is paid by every rank, every step
@@ -141,13 +143,18 @@ class Exchange:
         self.nbytes = 0  # bytes sent
         self.statuses = None  # one MPI.Status per request once all completed (None: receives go unchecked)
         self.done = False
+        self.held = None  # sends on an emulated inter-node link, not yet due: [(arrival, buf, peer, tag)]
 
     def send(self, buf, peer: int, tag: int) -> None:
         if backend.on_device and not isinstance(buf, numpy.ndarray):
             backend.synchronize()  # the kernel writing buf must finish before MPI reads it
             # A host copy (kept alive by the request below), or the device memory itself.
             buf = backend.device_buffer(buf) if cuda_aware() else backend.to_host(buf)
-        world_peer = self._post(self.group.comm.Isend, buf, peer, tag, "send to", None)
+        links = topology.active
+        if links is not None and links.node[self.group.world_ranks[peer]] != links.node[self._me()]:
+            world_peer = self._hold(links, buf, peer, tag)
+        else:
+            world_peer = self._post(self.group.comm.Isend, buf, peer, tag, "send to", None)
         nbytes = buf.nbytes
         stats.count_send(self.group.name, self.op, nbytes, world_peer)
         self.nbytes += nbytes
@@ -170,6 +177,39 @@ class Exchange:
         if check_receives and self.statuses is None:
             self.statuses = []  # filled by Waitall, one Status per request
 
+    def _me(self) -> int:
+        return self.group.world_ranks[self.group.rank]
+
+    def _hold(self, links, buf, peer: int, tag: int) -> int:
+        """Hold a send to another node back until the emulated link delivers it (``topology.py``);
+        :meth:`test` posts it then. Returns the peer's world rank."""
+        arrival = links.arrival(buf.nbytes)
+        with _holding_lock:
+            if self.held is None:
+                self.held = []
+                _holding.append(self)
+            self.held.append((arrival, buf, peer, tag))
+        world_peer = self.group.world_ranks[peer]
+        if trace.enabled:  # the message's time on the link, from entering the port to arriving
+            end = trace.now() + (arrival - time.perf_counter()) * 1e6
+            start = end - (links.inter_latency + buf.nbytes / links.inter_bw) * 1e6
+            link = links.link(self._me(), world_peer)
+            trace.record(link, "link", start, end, op=self.op, peer=world_peer, bytes=buf.nbytes, link=link)
+        return world_peer
+
+    def _post_due(self) -> bool:
+        """Post the held sends whose emulated arrival has come; True once none is held."""
+        now = time.perf_counter()
+        keep = []
+        for item in self.held:
+            arrival, buf, peer, tag = item
+            if arrival <= now:
+                self._post(self.group.comm.Isend, buf, peer, tag, "send to", None)
+            else:
+                keep.append(item)
+        self.held = keep or None
+        return not keep
+
     def _post(self, start, buf, peer: int, tag: int, label: str, expect) -> int:
         """Post ``start`` (the comm's ``Isend`` or ``Irecv``) of ``buf`` as bytes; the peer's world rank."""
         try:
@@ -190,6 +230,11 @@ class Exchange:
         fills the statuses that the byte-count check reads. (An MPI older than 4.1: ``Testall``.)"""
         if self.done:
             return True
+        if _holding:  # any poll hands over every due held send, this step's or another's
+            post_held()
+            if self.held is not None:
+                self.group.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)  # MPI still progresses the rest meanwhile
+                return False
         statuses = self.statuses
         try:
             if _all_complete is None:
@@ -211,6 +256,8 @@ class Exchange:
             for fn in self.after:
                 fn()
         if trace.enabled and self.posted:
+            peers = [p for _, p, _ in self.posted]
+            links = topology.active
             trace.record(
                 self.op,
                 "comm.step",
@@ -218,8 +265,9 @@ class Exchange:
                 trace.now(),
                 group=self.group.name,
                 step=self.what,
-                peer=[p for _, p, _ in self.posted],
+                peer=peers,
                 bytes=self.nbytes,
+                **({} if links is None else {"link": [links.link(self._me(), p) for p in peers]}),
             )
         return True
 
@@ -278,7 +326,28 @@ class Exchange:
         """The messages not yet completed, as ``(label, peer world rank)`` (asked only for error messages)."""
         if self.done:
             return []
-        return [(label, peer) for req, (label, peer, _) in zip(self.reqs, self.posted) if not req.Get_status()]
+        out = [(label, peer) for req, (label, peer, _) in zip(self.reqs, self.posted) if not req.Get_status()]
+        for _, _, peer, _ in self.held or ():
+            out.append(("send (held on the emulated inter-node link) to", self.group.world_ranks[peer]))
+        return out
+
+
+# Exchanges with sends held on an emulated link (topology.py). Any poll of any step posts the due
+# ones: a rank that waits for a receive must still hand over what it isent before (a pipeline
+# stage sends an activation, then waits for a gradient, and never polls the send's handle).
+_holding: list[Exchange] = []
+on_uninstall(_holding.clear)  # their communicators are gone
+
+
+_holding_lock = threading.Lock()  # the progress thread polls too: a held send is posted once
+
+
+def post_held() -> None:
+    """Post every held send whose emulated arrival has come."""
+    with _holding_lock:
+        for ex in list(_holding):
+            if ex._post_due():
+                _holding.remove(ex)
 
 
 def _describe(buf) -> str:

@@ -19,6 +19,8 @@ Bytes are also counted per peer (the world rank at the other end), so a region h
 communication matrix: ``s.sent_to()`` is this rank's row, {peer: bytes}; ``comm_matrix(s)`` in
 ``trace_merge.py`` gathers every rank's row into the (sender, receiver) matrix, and a merged trace
 carries each rank's per-peer counters (a ``"comm counters"`` record, see ``peer_records``).
+Under an emulated topology (``topology.py``) ``s.by_link()`` says which link the bytes crossed:
+``{"node0": 4096, "node0->node1": 1024}``.
 """
 
 from __future__ import annotations
@@ -118,6 +120,24 @@ class CommStats:
             if (op is None or o == op) and (group is None or g == group):
                 row[peer] = row.get(peer, 0) + counts[1 if received else 0]
         return {peer: n for peer, n in sorted(row.items()) if n}
+
+    def by_link(self, op: str | None = None, topology=None, me: int | None = None) -> dict[str, int]:
+        """Bytes sent per link of an emulated topology (default: the active one, ``topology.py``):
+        ``{"node0": bytes inside node 0, "node0->node1": bytes to node 1}``, this rank's sends
+        (``me``: its world rank, default the world group's rank), optionally of one operation only.
+        Worked out from the per-peer counters, so counting costs nothing more per message."""
+        from . import group
+        from . import topology as topologies
+
+        links = topologies.active if topology is None else topology
+        if links is None:
+            raise ValueError("by_link needs an emulated topology: set TINYTRAIN_TOPOLOGY=2x2 or pass topology=")
+        me = group.world().rank if me is None else me
+        out: dict[str, int] = {}
+        for peer, nbytes in self.sent_to(op).items():
+            name = links.link(me, peer)
+            out[name] = out.get(name, 0) + nbytes
+        return out
 
     def table(self) -> str:
         """A small text table, one line per (group, op)."""

@@ -36,6 +36,8 @@ __all__ = [
     "collective_bytes",
     "collective_steps",
     "collective_time",
+    "hierarchical_all_reduce_time",
+    "series_link",
     "zero_memory",
     "data_parallel_volume",
     "parameter_server_volume",
@@ -93,6 +95,24 @@ def collective_steps(op: str, n: int, algo: str = "ring") -> int:
 def collective_time(op: str, nbytes: float, n: int, alpha: float, bandwidth: float, algo: str = "ring") -> float:
     """The α-β model: every step pays α, every byte a rank sends costs 1/bandwidth seconds."""
     return collective_steps(op, n, algo) * alpha + collective_bytes(op, nbytes, n, algo) / bandwidth
+
+
+def hierarchical_all_reduce_time(
+    nbytes: float, nodes: int, local: int, intra: tuple, inter: tuple, inter_algo: str = "ring"
+) -> float:
+    """The α-β time of the hierarchical all-reduce (``distributed/hierarchical.py``) over ``nodes``
+    nodes of ``local`` ranks: a ring reduce-scatter and all-gather inside each node on the ``intra``
+    (α, bandwidth) link, between them an all-reduce of one rank's 1/local piece across the nodes
+    (``inter_algo``) on the ``inter`` link. The flat ring over the same ranks pays ``inter`` on
+    every step: ``collective_time("all_reduce", nbytes, nodes * local, *inter)``."""
+    inside = sum(collective_time(op, nbytes, local, *intra) for op in ("reduce_scatter", "all_gather"))
+    return inside + collective_time("all_reduce", nbytes / local, nodes, *inter, algo=inter_algo)
+
+
+def series_link(*links: tuple) -> tuple[float, float]:
+    """(α, bandwidth) of links a message crosses one after the other: the α add up, so do the
+    seconds per byte (the emulated topology's inter-node link, then the shared memory under it)."""
+    return sum(a for a, _ in links), 1.0 / sum(1.0 / bw for _, bw in links)
 
 
 # --- data parallel and ZeRO --------------------------------------------------------------------------

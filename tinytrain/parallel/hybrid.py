@@ -27,6 +27,7 @@ into this rank's part, always in this order, as torchtitan's ``parallelize`` doe
     2. cut the blocks into pipeline stages       pipeline.PipelineStage
     3. replicate over DP, or shard with ZeRO     data_parallel.BucketedDDP, zero.Zero
        (--dp-algo: or a parameter server, asynchronous or not, or local SGD / DiLoCo, over --dp alone)
+       (ZeRO-3 over the data group, each rank its own TP shard or stage: zero.py's docstring)
 
 and returns a ``ParallelModel``: ``forward_backward``, ``clip_grad_norm_``, ``step``. The training
 loop drives that and knows no strategy. Every layout computes the serial model's loss and
@@ -45,7 +46,6 @@ import numpy
 
 from tinytrain import checkpoint
 from tinytrain import distributed as dist
-from tinytrain import functional as F
 from tinytrain import random as _random
 from tinytrain.backend import precision_dtype, xp
 from tinytrain.checkpoint import Placement
@@ -125,7 +125,7 @@ class ParallelModel:
     def _recompute(self, part) -> str:
         """Set ``--recompute`` on this rank's blocks (after TP built its own, before PP takes them)."""
         mode = self.plan.recompute
-        if mode == "full" and self.plan.zero == 3:
+        if mode == "full" and self.plan.zero == 3 and self.plan.pp == 1:
             mode = "none"  # ZeRO-3's units recompute every block already (zero_parts.ShardedUnit)
         apply_recompute(part, mode)
         return mode
@@ -205,8 +205,9 @@ class ParallelModel:
         if self.stage is not None:
             from tinytrain.parallel.pipeline import train_step
 
-            loss, _ = train_step(self.stage, self.actions, x, y, plan.n_microbatches, n_targets, first, total)
-            self._sync_pipeline_gradients()
+            with self._stage_parameters():
+                loss, _ = train_step(self.stage, self.actions, x, y, plan.n_microbatches, n_targets, first, total)
+                self._sync_pipeline_gradients()
             value = xp.asarray([loss if loss is not None else 0.0], dtype=xp.float64)
             dist.all_reduce(value, group=self.pp_group)  # the last stage has it
             return float(dist.all_reduce(value, op="avg", group=self.data_group)[0])
@@ -243,9 +244,20 @@ class ParallelModel:
         with _random.sequence_positions(positions, seq_len), self.context.active(), recomputed:
             yield positions
 
+    def _stage_parameters(self):
+        """ZeRO-3 over a pipeline stage: the stage's parameters gathered for the whole step (all its
+        micro-batches), freed after its gradients are reduce-scattered; else nothing to do."""
+        if self.zero is None or self.zero.stage != 3:
+            return contextlib.nullcontext()
+        return self.zero.gathered(self.zero.shards)
+
     def _loss(self, x, y, n_targets, positions=None):
         if self.zero is not None and self.zero.stage == 3:  # runs layer by layer, gathering each
-            return F.cross_entropy(self.zero(xp.asarray(x)), xp.asarray(y), reduction="sum") / n_targets
+            return self.zero(
+                xp.asarray(x),
+                first=lambda ids: self.part.embed(ids, positions),  # (CP: my positions)
+                last=lambda h: self.part.head_loss(h, y, denominator=n_targets),  # (TP: vocab-parallel)
+            )
         if positions is not None:
             return self.part.loss(x, y, denominator=n_targets, positions=positions)
         return self.part.loss(x, y, denominator=n_targets)

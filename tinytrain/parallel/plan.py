@@ -80,12 +80,6 @@ class Plan:
         check_recompute(self.recompute)  # every layout takes every mode: it changes memory, not numbers
         self.check_dp_algo(config)
         precision_dtype(self.precision)  # bf16 is refused on CuPy (it says so)
-        if self.precision == "bf16" and (self.zero or (config.n_experts and self.dp * self.ep > 1)):
-            raise ValueError(
-                f"--precision bf16 with {'--zero' if self.zero else 'experts across ranks'}: their gradients are "
-                "averaged by tinytrain.distributed's op='avg', which takes NumPy floating dtypes only (ml_dtypes' "
-                "bfloat16 is not one); use --precision fp16 here, or bf16 with plain --dp"
-            )
         if self.sp and self.tp < 2:
             raise ValueError("--sp splits the sequence over the tensor-parallel group: add --tp 2 or more")
         if self.cp > 1 and self.pp > 1:
@@ -95,25 +89,15 @@ class Plan:
             )
         if self.cp > 1 and self.sp:
             raise ValueError("--cp and --sp both cut the sequence; use one of them")
-        if self.cp > 1 and self.zero == 3:
-            raise ValueError(
-                "--zero 3 with --cp is not composed here (ZeRO-3 runs whole sequences layer by "
-                "layer); use --zero 1 or 2 with --cp"
-            )
         if self.cp > 1:
             self.check_context_parallel(config)
         if self.pp == 1 and (self.chunks != 1 or self.microbatches):
             raise ValueError("--chunks and --microbatches cut the batch for a pipeline: they need --pp 2 or more")
-        if self.zero > 1 and self.pp > 1:
+        if self.zero == 2 and self.pp > 1:
             raise ValueError(
-                f"--zero {self.zero} with --pp would reduce-scatter gradients (and gather parameters) "
-                "once per micro-batch; pipelines accumulate micro-batches, so use --zero 1 with --pp "
-                "(as Megatron-LM and DeepSpeed do)"
-            )
-        if self.zero == 3 and self.tp > 1:
-            raise ValueError(
-                "--zero 3 with --tp is not composed here (ZeRO-3 gathers whole layers of a serial GPT, "
-                "and the tensor-parallel loss needs the vocab-parallel head); use --zero 1 or 2 with --tp"
+                "--zero 2 with --pp would reduce-scatter gradients once per micro-batch; pipelines "
+                "accumulate micro-batches, so use --zero 1 with --pp (as Megatron-LM and DeepSpeed do), or "
+                "--zero 3 (each stage's parameters gathered for the step, gradients reduce-scattered once)"
             )
         if self.ep > 1 and not config.n_experts:
             raise ValueError("--ep places experts on ranks: add --experts (a multiple of --ep)")

@@ -37,10 +37,9 @@ def average_op(buffer, group=None) -> str:
     """The reduce op that averages ``buffer`` over ``group``: ``"avg"`` (sum, then divide). A 16-bit
     buffer (``--precision bf16|fp16``) is divided by the group's size first, in place, and summed
     (``"sum"``): in float16 the sum of N loss-scaled gradients can overflow 65504 where their average
-    does not (DeepSpeed's gradient pre-division), and tinytrain.distributed refuses ``"avg"`` on
-    bfloat16 (its check asks ``numpy.issubdtype(dtype, numpy.floating)``, which ml_dtypes' bfloat16 is
-    not). For a power-of-two group the division only lowers the exponent: the same numbers as "avg"
-    (barring subnormals)."""
+    does not (DeepSpeed's gradient pre-division); bfloat16 is treated alike, one rule for both. For a
+    power-of-two group the division only lowers the exponent: the same numbers as "avg" (barring
+    subnormals)."""
     if not is_low_precision(buffer.dtype):
         return "avg"
     buffer /= dist.get_world_size(group)

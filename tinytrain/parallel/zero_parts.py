@@ -67,11 +67,12 @@ class ShardedUnit:
 
 
 def gpt_units(model) -> list:
-    """A GPT's layers for stage 3: embeddings, each block, final LayerNorm + (tied) head."""
-    head = [model.wte.weight] if model.head is None else model.head.parameters()
-    units = [("embed", model.embed, [model.wte.weight, model.wpe.weight])]
+    """A GPT's layers for stage 3: embeddings, each block, final LayerNorm + (tied) head. ``model``
+    is a serial GPT or its tensor-parallel shard (each TP rank then gathers its own shards' pieces):
+    both follow the pipeline's stage protocol, which names the parameters outside the blocks."""
+    units = [("embed", model.embed, model.first_parameters())]
     units += [(f"block {i}", block, block.parameters()) for i, block in enumerate(model.blocks)]
-    units.append(("head", model.logits, model.ln_f.parameters() + list(head)))
+    units.append(("head", model.logits, model.last_parameters()))
     return units
 
 

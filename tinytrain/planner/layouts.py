@@ -102,7 +102,10 @@ PRESETS = {
 @dataclass(frozen=True)
 class Cluster:
     """Nodes of GPUs. Defaults: 8 A100-80GB per node on NVLink (300 GB/s each way per GPU), one
-    200 Gb/s InfiniBand HDR port per GPU (25 GB/s), 312 TFLOP/s bf16 peak."""
+    200 Gb/s InfiniBand HDR port per GPU (25 GB/s), 312 TFLOP/s bf16 peak.
+
+    ``placement``: consecutive ranks share a node ("block", launchers' default) or ranks go round
+    the nodes ("cyclic", ``mpirun --map-by node``, as ``tinytrain plan --measure`` runs TP across nodes)."""
 
     nodes: int = 1
     gpus_per_node: int = 8
@@ -114,14 +117,26 @@ class Cluster:
     intra_alpha: float = 5e-6
     inter_bw: float = 25 * GB
     inter_alpha: float = 10e-6
+    placement: str = "block"
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
 
-    def link(self, span: int) -> tuple[float, float]:
-        """(α, bandwidth) of a group whose ranks lie within ``span`` consecutive GPUs."""
-        if span <= self.gpus_per_node:
+    def spread(self, span: int, stride: int = 1) -> tuple[int, int]:
+        """(nodes, ranks on each) of a mesh group: ranks ``stride`` apart within ``span``
+        consecutive ranks (TP: span tp, stride 1; DP: span the world, stride world/dp)."""
+        size = span // stride
+        if self.placement == "cyclic":
+            nodes = min(size, self.nodes // math.gcd(stride, self.nodes))
+        else:
+            nodes = 1 if span <= self.gpus_per_node else min(size, span // self.gpus_per_node)
+        return nodes, size // nodes
+
+    def link(self, span: int, stride: int = 1) -> tuple[float, float]:
+        """(α, bandwidth) of a mesh group (see :meth:`spread`): the intra-node link when it lies
+        on one node."""
+        if self.spread(span, stride)[0] == 1:
             return self.intra_alpha, self.intra_bw
         return self.inter_alpha, self.inter_bw
 
@@ -161,29 +176,59 @@ def shards(model: ModelSpec, lo: Layout) -> tuple[float, float]:
     return (model.parameters - model.expert_parameters) / (lo.tp * lo.pp), expert
 
 
-def memory_per_gpu(model: ModelSpec, lo: Layout, state_bytes=(2, 2, 12), itemsize: int = ACTIVATION_BYTES) -> dict:
+def memory_per_gpu(
+    model: ModelSpec,
+    lo: Layout,
+    state_bytes=(2, 2, 12),
+    itemsize: int = ACTIVATION_BYTES,
+    layer_bytes=None,
+    held: float | None = None,
+) -> dict:
     """Bytes one GPU holds: model state (``zero_memory``; the dense weights sharded over the data
-    group dp·ep·cp, the experts over dp·cp) and the activations of stage 0, which under 1F1B holds
+    group dp·ep·cp, the experts over dp·cp), ZeRO-3's gathered weights (one layer's at a time; under
+    PP the stage's, gathered for the step) and the activations of stage 0, which under 1F1B holds
     min(p, m) micro-batches of its layers (and, recomputing, one layer's full set at a time).
     ``state_bytes``: bytes per parameter of (weights, gradients, optimizer state), mixed-precision
-    Adam by default; ``itemsize``: of an activation (tinytrain's fp32 AdamW: (4, 4, 8) and 4)."""
+    Adam by default; ``itemsize``: of an activation (tinytrain's fp32 AdamW: (4, 4, 8) and 4).
+    ``layer_bytes(s, b, recompute)``: one layer's bytes kept for backward, Megatron's formula
+    (``activation_bytes_per_layer``) by default; ``held``: layer activations (layers x micro-batches)
+    stage 0 holds at its peak, 1F1B's by default (``tinytrain_memory`` passes tinytrain's own)."""
     dense, expert = shards(model, lo)
     state = zero_memory(dense, lo.dp * lo.ep * lo.cp, lo.zero, *state_bytes)
     experts = zero_memory(expert, lo.dp * lo.cp, lo.zero, *state_bytes)
     s, m = model.seq // lo.cp, model.batch // (lo.dp * lo.ep * lo.microbatch)
     h, a = model.hidden, model.heads
-    layer = activation_bytes_per_layer(s, lo.microbatch, h, a, lo.tp, lo.sp, lo.recompute, itemsize)
-    activations = layer * model.layers / lo.pp * (min(lo.pp, m) if lo.pp > 1 else 1)
+    if layer_bytes is None:
+
+        def layer_bytes(s, b, recompute):
+            return activation_bytes_per_layer(s, b, h, a, lo.tp, lo.sp, recompute, itemsize)
+
+    if held is None:
+        held = model.layers / lo.pp * (min(lo.pp, m) if lo.pp > 1 else 1)
+    activations = layer_bytes(s, lo.microbatch, lo.recompute) * held
     if lo.recompute:
-        activations += activation_bytes_per_layer(s, lo.microbatch, h, a, lo.tp, lo.sp, itemsize=itemsize)
+        activations += layer_bytes(s, lo.microbatch, False)
     memory = {k: state[k] + experts[k] for k in ("params", "grads", "optimizer")}
+    memory["gathered"] = gathered_weights(model, lo, state_bytes[0]) if lo.zero == 3 else 0.0
     memory["activations"] = activations
     memory["total"] = sum(memory.values())
     return memory
 
 
-def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
-    """Memory per GPU (bytes) and step time (seconds), each with its parts; see the module docstring."""
+def gathered_weights(model: ModelSpec, lo: Layout, weight_bytes: float) -> float:
+    """ZeRO-3's full weights held besides the pieces: the largest layer's (a block, this GPU's TP
+    shard of it) while it runs, or under PP the whole stage's, gathered for the step's micro-batches
+    (zero.py's docstring); the pieces of them are counted in ``params`` too, as a run holds both."""
+    dense, expert = shards(model, lo)
+    if lo.pp > 1:
+        return (dense + expert) * weight_bytes
+    block = model.parameters - gpt_parameters(0, model.hidden, model.vocab, model.seq, model.bias, model.tied)
+    return block / model.layers / lo.tp * weight_bytes
+
+
+def estimate(model: ModelSpec, cluster: Cluster, layout: Layout, itemsize: int = ACTIVATION_BYTES) -> dict:
+    """Memory per GPU (bytes) and step time (seconds), each with its parts; see the module docstring.
+    ``itemsize``: bytes of an activation and a gradient on the wire (4: tinytrain's fp32 runs)."""
     lo, cl = layout, cluster
     world = lo.gpus
     m = model.batch // (lo.dp * lo.ep * lo.microbatch)  # micro-batches per replica and step
@@ -202,26 +247,26 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
     compute = (
         flops / (lo.tp * lo.pp * lo.cp) / (cl.peak_flops * matmul_efficiency(tokens, cl.efficiency, cl.half_tokens))
     )
-    activation = lo.microbatch * s * model.hidden * ACTIVATION_BYTES  # one (b, s/cp, h) tensor
-    tp_link = cl.link(lo.tp)
+    activation = lo.microbatch * s * model.hidden * itemsize  # one (b, s/cp, h) tensor
     passes = 3 if lo.recompute else 2
+    tp_link = cl.link(lo.tp)
     tp = layers * passes * 2 * collective_time("all_reduce", activation, lo.tp, *tp_link)
     # the vocab-parallel embedding, head and loss: 2 all-reduces of an activation, 3 of a number per
     # token (SP: about the same), on the first and last stage: spread over the stages, as the logits' FLOPs are
-    tokens_bytes = lo.microbatch * s * ACTIVATION_BYTES
+    tokens_bytes = lo.microbatch * s * itemsize
     edges = sum(vocab_parallel_volume(activation, tokens_bytes, lo.tp, lo.sp).values())
     edge_ars = ((activation, 2), (tokens_bytes, 3))
     tp += sum(k * collective_time("all_reduce", x, lo.tp, *tp_link) for x, k in edge_ars) / lo.pp
     kv = 2 * activation / lo.tp  # this rank's K and V heads
-    cp_link = cl.link(lo.tp * lo.cp)
+    cp_link = cl.link(lo.tp * lo.cp, lo.tp)
     cp_send = collective_time("send", kv, lo.cp, *cp_link) if lo.cp > 1 else 0.0
     # fwd cp-1 hops, bwd 2cp-1, each hidden behind one attention block: attention is s/(6h) of a layer's FLOPs
     attention = compute * attention_share(model.seq, model.layers, model.hidden, model.vocab)
     cp = max(0.0, layers * (3 * lo.cp - 2) * cp_send - attention)
-    ep_link = cl.link(lo.tp * lo.cp * lo.ep)
+    ep_link = cl.link(lo.tp * lo.cp * lo.ep, lo.tp * lo.cp)
     routed = activation / lo.tp * model.top_k * model.capacity_factor  # padded to the capacity
     ep = layers * passes * 2 * collective_time("all_to_all", routed, lo.ep, *ep_link) if lo.ep > 1 else 0.0
-    pp_link = cl.link(lo.tp * lo.cp * lo.ep * lo.pp)
+    pp_link = cl.link(lo.tp * lo.cp * lo.ep * lo.pp, lo.tp * lo.cp * lo.ep)
     boundary = activation / (lo.tp if lo.sp else 1)
     pp = 2 * collective_time("send", boundary, 2, *pp_link) if lo.pp > 1 else 0.0
     slot = compute + tp + cp + ep + pp
@@ -229,10 +274,11 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
     bubble = bubble_formula(lo.pp, m)
 
     # --- data parallel: gradients of this GPU's parameters over the data group ----------------------
-    dp_link = cl.link(world)
-    sync = _gradient_sync(dense_gpu * ACTIVATION_BYTES, data_group, lo.zero, m, dp_link)
+    dp_stride = world // lo.dp
+    dp_link = cl.link(world, dp_stride)
+    sync = _gradient_sync(dense_gpu * itemsize, data_group, lo.zero, m, dp_link)
     if expert_gpu:
-        more = _gradient_sync(expert_gpu * ACTIVATION_BYTES, lo.dp * lo.cp, lo.zero, m, dp_link)
+        more = _gradient_sync(expert_gpu * itemsize, lo.dp * lo.cp, lo.zero, m, dp_link)
         sync = {when: sync[when] + more[when] for when in sync}
     dp_time = sum(sync.values())
     backward = compute * (passes - 1) / passes  # backward (and the recomputed forward) of the last micro-batch
@@ -253,7 +299,7 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
             data_parallel_volume(dense_gpu, data_group, lo.zero)
             + data_parallel_volume(expert_gpu, lo.dp * lo.cp, lo.zero)
         )
-        * ACTIVATION_BYTES,
+        * itemsize,
     }
     whole = (model.batch, model.seq, model.layers, model.hidden, model.vocab)
     k = model.top_k if model.experts else 1
@@ -279,10 +325,10 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout) -> dict:
         },
         "bytes_sent": sent,
         "links": {
-            "tp": _name(cl, lo.tp),
-            "ep": _name(cl, lo.tp * lo.cp * lo.ep),
-            "pp": _name(cl, lo.tp * lo.cp * lo.ep * lo.pp),
-            "dp": _name(cl, world),
+            "tp": _name(cl, lo.tp, 1),
+            "ep": _name(cl, lo.tp * lo.cp * lo.ep, lo.tp * lo.cp),
+            "pp": _name(cl, lo.tp * lo.cp * lo.ep * lo.pp, lo.tp * lo.cp * lo.ep),
+            "dp": _name(cl, world, dp_stride),
         },
         "mfu": model_flops / (world * cl.peak_flops * step),
         "hfu": hardware_flops / (world * cl.peak_flops * step),
@@ -305,8 +351,8 @@ def _gradient_sync(nbytes: float, n: int, zero: int, microbatches: int, link) ->
     return {"backward": collective_time("all_reduce", nbytes, n, *link), "after_step": 0.0}
 
 
-def _name(cluster: Cluster, span: int) -> str:
-    return "intra-node" if span <= cluster.gpus_per_node else "inter-node"
+def _name(cluster: Cluster, span: int, stride: int) -> str:
+    return "intra-node" if cluster.spread(span, stride)[0] == 1 else "inter-node"
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -1,13 +1,16 @@
 """The planner against this machine: the bytes a step of ``tinytrain train --dp`` sends (exact),
-α-β fitted to ``tinytrain bench collectives --json`` rows, a step's time predicted from them, and
-one measured step of any plan (for the tests and ``notebooks/communication.ipynb``)."""
+α-β fitted to ``tinytrain bench collectives --json`` rows, a step's time predicted from them, the
+memory a tinytrain rank holds under a layout (``tinytrain_memory``, against ``bench strategies``'
+measured peak), and one measured step of any plan (for the tests and ``notebooks/communication.ipynb``)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from tinytrain.parallel import costs
 from tinytrain.parallel.costs import collective_bytes
 
-from .layouts import ModelSpec
+from .layouts import Layout, ModelSpec, memory_per_gpu
 
 
 def run_bytes(
@@ -212,6 +215,46 @@ def measure_step(plan, config, batch_size: int = 8, seed: int = 0, max_norm: flo
             parallel.clip_grad_norm_(max_norm)
         parallel.step(optimizer)
     return stats, time.perf_counter() - start
+
+
+def tinytrain_memory(
+    model: ModelSpec,
+    lo: Layout,
+    state_bytes=(4, 4, 8),
+    schedule: str = "1f1b",
+    chunks: int = 1,
+    microbatches: int | None = None,
+    dropout: bool = False,
+    itemsize: int = 4,
+) -> dict:
+    """Bytes a rank of ``tinytrain train`` holds at its peak under ``lo`` (fp32 AdamW by default), by
+    the planner's ``memory_per_gpu`` with tinytrain's own terms in place of Megatron's: a layer's
+    activations as the engine counts them (``costs.tinytrain_activation_bytes``: float32 arrays,
+    bool masks; ``itemsize`` 2, a 16-bit run's, scales the arrays, not the masks); the layer
+    activations stage 0 holds at once as the schedule's simulation finds them (``simulator.simulate``:
+    GPipe all m micro-batches, 1F1B min(p, m), interleaved in chunks); and ZeRO-3 without a pipeline
+    keeps each unit's input only (its units recompute in backward, as full recompute does). Not
+    counted: the embeddings', final norm's, logits' and loss's activations, a TP rank's replicated
+    weights (counted as 1/t) and a stage's uneven share of the embeddings."""
+    from tinytrain.parallel.pipeline.schedules import make_schedule
+    from tinytrain.parallel.simulator import simulate
+
+    h, a = model.hidden, model.heads
+
+    def layer_bytes(s, b, recompute):
+        mode = "full" if recompute else "none"
+        floats = costs.tinytrain_activation_bytes(s, b, h, a, lo.tp, lo.sp, mode, False, lo.cp)
+        masks = costs.tinytrain_activation_bytes(s, b, h, a, lo.tp, lo.sp, mode, dropout, lo.cp) - floats
+        return floats * itemsize / 4 + masks
+
+    held = None
+    if lo.pp > 1:
+        m = microbatches or 2 * lo.pp
+        peak = simulate(make_schedule(schedule, lo.pp, m, chunks), chunks=chunks).peak_activations[0]
+        held = peak * model.layers / (lo.pp * chunks)  # each chunk: layers / (p·v) of them
+    elif lo.zero == 3:
+        lo = replace(lo, recompute=True)
+    return memory_per_gpu(model, lo, state_bytes, itemsize, layer_bytes=layer_bytes, held=held)
 
 
 def calibrate(rows: list) -> tuple[float, float]:
