@@ -157,7 +157,7 @@ def section(a: str, figures: dict) -> list[str]:
         return _strategy_rows(rows)
     if a == "5":
         bubbles = _table(
-            ["schedule", "micro-batches m", "bubble (simulated, F=1 B=2)", "(p-1)/(v·m+p-1)", "most held per stage"],
+            ["schedule", "micro-batches m", "bubble (simulated, F=1 B=2)", "formula", "most held per stage"],
             [[r["schedule"], r["microbatches"], r["bubble"], r["formula"], r["peak_held"]] for r in rows["bubbles"]],
         )
         return [*bubbles, "", *_strategy_rows(rows["steps"])]

@@ -70,6 +70,7 @@ def plot_expert_load(metrics: dict, path, experts_per_rank: int | None = None) -
     xs = [s["step"] for s in steps]
     axes[1].plot(xs, [s["moe"]["aux"] for s in steps], label="aux loss")
     axes[1].plot(xs, [s["moe"]["dropped"] for s in steps], label="dropped share")
+    axes[1].plot(xs, [max_over_mean(row) for row in load], label="max / mean load", alpha=0.7)
     axes[1].set_xlabel("step")
     axes[1].legend()
     axes[1].set_title("balance")
@@ -86,23 +87,58 @@ def plot_expert_load(metrics: dict, path, experts_per_rank: int | None = None) -
     plt.close(fig)
 
 
+def max_over_mean(load) -> float:
+    """The busiest expert's load over the mean load: 1 when balanced, E when one expert takes all."""
+    load = numpy.asarray(load, dtype=float)
+    return float(load.max() / max(load.mean(), 1e-12))
+
+
+def compare_expert_balance(runs: dict, path, window: int = 20) -> None:
+    """Several runs' ``metrics.json`` (name -> metrics, e.g. ``--balance aux``, ``bias``, ``none``
+    on one seed): max / mean expert load per step (a ``window``-step running mean) and the loss."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=120)
+    for name, metrics in runs.items():
+        steps = [s for s in metrics["steps"] if "moe" in s]
+        if not steps:
+            raise ValueError(f"{name}: metrics has no 'moe' records: train with --experts")
+        xs = [s["step"] for s in steps]
+        ratio = numpy.array([max_over_mean(s["moe"]["load"]) for s in steps])
+        smooth = numpy.convolve(ratio, numpy.ones(window) / window, mode="valid") if len(ratio) >= window else ratio
+        axes[0].plot(xs[len(xs) - len(smooth) :], smooth, label=name)
+        axes[1].plot(xs, [s["loss"] for s in steps], label=name, alpha=0.8)
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel(f"max / mean load ({window}-step mean)")
+    axes[0].set_title("expert imbalance")
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel("training loss (aux included where trained on)")
+    axes[1].set_title("loss")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 # --------------------------------------------------------------------------------------------
 # Pipeline schedules: Gantt charts and activation memory
 #
-# A pipeline event is a tuple (stage, kind, microbatch, chunk, start, end) with kind "F" or "B";
+# A pipeline event is a tuple (stage, kind, microbatch, chunk, start, end) with kind "F", "B" or
+# "W" (a zero-bubble schedule's weight-gradient pass);
 # simulator timelines give them with ``Timeline.rows()``, real runs with ``pipeline_events(spans)``.
 
 
 def pipeline_events(spans: list) -> list:
     """Pipeline events from trace spans (``cat`` "forward"/"backward"), start times from 0 in ms."""
-    rows = [s for s in spans if s["cat"] in ("forward", "backward")]
+    kinds = {"forward": "F", "backward": "B", "weights": "W"}
+    rows = [s for s in spans if s["cat"] in kinds]
     if not rows:
         raise ValueError("the trace has no forward/backward spans: was it recorded with tracing on?")
     t0 = min(s["start"] for s in rows)
     return [
         (
             s["rank"],
-            "F" if s["cat"] == "forward" else "B",
+            kinds[s["cat"]],
             s["args"]["microbatch"],
             s["args"].get("chunk", 0),
             (s["start"] - t0) / 1e3,
@@ -163,8 +199,9 @@ def exposed_time(spans: list, windows: list, is_comm, is_compute) -> float:
 def plot_pipeline(
     events: list, ax=None, title: str | None = None, formula: float | None = None, path=None, unit_ms: bool = False
 ):
-    """A Gantt chart: one row per stage, forward (solid) and backward (hatched) blocks coloured by
-    micro-batch and labelled ``F3`` / ``B3`` (``.c`` for chunk c), white gaps are the bubbles."""
+    """A Gantt chart: one row per stage, forward (solid), backward (hatched) and weight-gradient
+    (dotted) blocks coloured by micro-batch and labelled ``F3`` / ``B3`` / ``W3`` (``.c`` for chunk
+    c), white gaps are the bubbles."""
     own = ax is None
     if own:
         fig, ax = plt.subplots(figsize=(10, 0.6 * (1 + len({e[0] for e in events})) + 0.8), dpi=120)
@@ -177,8 +214,8 @@ def plot_pipeline(
             left=start,
             height=0.8,
             color=colours(mb % colours.N),
-            alpha=1.0 if kind == "F" else 0.55,
-            hatch=None if kind == "F" else "//",
+            alpha={"F": 1.0, "B": 0.55, "W": 0.3}[kind],
+            hatch={"F": None, "B": "//", "W": ".."}[kind],
             edgecolor="black",
             linewidth=0.4,
         )

@@ -12,10 +12,13 @@ chunk c of stage s (virtual stage k = c·p + s, of ``n = p·v``):
            run the chunk's blocks; k = n-1: the loss; k < n-1: isend the output to k+1
     B mb   k < n-1: recv d(loss)/d(output) from k+1;  backward from the output (or the loss)
            k > 0:   isend the received leaf's .grad to k-1
+    W mb   (zero-bubble schedules, whose B is the input's gradient only) the weight gradients
+           B left for later (``autograd.backward_inputs``); no message
     end    wait for every isend; sum the tied weight's two gradients (first and last stage)
 
 Keeping each output until its backward is what costs memory: ``memory`` records the activation
-bytes held after each action (GPipe climbs to m micro-batches, 1F1B stays at p-s). Each
+bytes held after each action (GPipe climbs to m micro-batches, 1F1B stays at p-s; under a split
+backward the inputs of the weight ops stay until W). Each
 micro-batch's summed loss is divided by the targets of the whole batch (``n_targets``), so the
 gradients summed over micro-batches are the serial run's, and dropout keeps the micro-batch's
 rows of the serial run's mask.
@@ -29,7 +32,7 @@ from __future__ import annotations
 from tinytrain import distributed as dist
 from tinytrain import random as _random
 from tinytrain import trace
-from tinytrain.autograd import saved_bytes
+from tinytrain.autograd import backward_inputs, saved_bytes
 from tinytrain.backend import xp
 from assignments.a5_pipeline.messages import (
     message_tag,
@@ -78,12 +81,15 @@ class PipelineStep:
         self.received: dict = {}  # (mb, chunk) -> leaf Tensor (not on virtual stage 0)
         self.outputs: dict = {}  # (mb, chunk) -> output Tensor, or the loss on the last virtual stage
         self.pending = []  # isend handles; their buffers must live until they complete
+        self.split = any(a.kind == "W" for a in actions)  # B is the input's gradient only, W the rest
+        self.weight_work: dict = {}  # (mb, chunk) -> the W that B left (autograd.WeightGradients)
         self.loss = 0.0
         self.memory = []  # (time in us, bytes saved for backward) after each action
 
     def run(self) -> float | None:
         for action in self.actions:
-            (self.forward if action.kind == "F" else self.backward)(action.microbatch, action.chunk)
+            run = {"F": self.forward, "B": self.backward, "W": self.weights}[action.kind]
+            run(action.microbatch, action.chunk)
             now, held = trace.now(), saved_bytes()
             self.memory.append((now, held))
             trace.record("activations", "memory", now, now, bytes=held)
@@ -119,13 +125,21 @@ class PipelineStep:
         grad = None
         if k < st.n_virtual - 1:
             grad = recv_gradient(out, st.peer(k + 1), message_tag(mb, k, st.n_virtual, True), st.group)
+        leaf = self.received.pop((mb, chunk)) if k > 0 else None
         with trace.span(f"B{mb}", cat="backward", microbatch=mb, chunk=chunk):
-            out.backward(grad)
-        if k > 0:
-            leaf = self.received.pop((mb, chunk))
+            if self.split:
+                raise NotImplementedError("TODO 5.5: Compute only the gradient the previous stage waits for, and keep the rest of this backward, per micro-batch and chunk, for its W.")
+            else:
+                out.backward(grad)
+        if leaf is not None:
             self.pending.append(
                 send_gradient(leaf, st.peer(k - 1), message_tag(mb, k - 1, st.n_virtual, True), st.group)
             )
+
+    def weights(self, mb: int, chunk: int) -> None:
+        """W: the weight gradients this micro-batch's B left (no message: nobody waits for them)."""
+        with trace.span(f"W{mb}", cat="weights", microbatch=mb, chunk=chunk):
+            raise NotImplementedError("TODO 5.5: Run, once, the weight-gradient work this micro-batch's input pass kept; that also frees what it held.")
 
 
 def train_step(

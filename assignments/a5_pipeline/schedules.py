@@ -34,6 +34,24 @@ Interleaved 1F1B gives each stage v model *chunks* (stage s holds chunks s, s+p,
 micro-batch passes every stage v times, each pass 1/v as long. Filling and draining the pipe then
 costs (p-1)/v of a full pass: the bubble share becomes (p-1)/(v·m+p-1), at the price of v times
 as many messages. Chunk c of stage s is *virtual stage* ``c·p + s``.
+
+Zero bubble (Qi et al., 2024) splits each backward in two (``autograd.backward_inputs``): B, the
+gradient of the stage's input, which the previous stage waits for, and W, the weight gradients,
+which nobody waits for until the optimizer step. W can then fill the bubbles. ZB-H1 is 1F1B with
+B where 1F1B runs its backward, and stage s running each W s micro-batches after its B; the last
+s W's fill the cool-down, where 1F1B's stage s waits for the backwards of the stages after it.
+
+    ZB-H1, p=4, m=4, F = B = W (each one slot; 1F1B's backward is B + W = two)
+
+    stage 0  F0 F1 F2 F3 ·  ·  ·  B0 W0 B1 W1 B2 W2 B3 W3
+    stage 1  ·  F0 F1 F2 ·  ·  B0 F3 B1 W0 B2 W1 B3 W2 W3
+    stage 2  ·  ·  F0 F1 ·  B0 F2 B1 F3 B2 W0 B3 W1 W2 W3
+    stage 3  ·  ·  ·  F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 W2 W3     every stage ends at 3m + p-1
+
+A stage idles (p-1)(F + B - W) instead of 1F1B's (p-1)(F + B + W): with F = B = W the bubble
+share is (p-1)/(3m + p-1) for m >= p, against 1F1B's 3(p-1)/(3m + 3(p-1)) = (p-1)/(m+p-1), about
+a third. A micro-batch's activations stay until its W, so stage s holds up to p of them (1F1B's
+stage 0 holds p too): the same peak memory as 1F1B, spread over every stage.
 """
 
 from __future__ import annotations
@@ -75,7 +93,13 @@ def interleaved_1f1b(stages: int, microbatches: int, chunks: int) -> list[list[A
     raise NotImplementedError("TODO 5.4: 1F1B over virtual stages: micro-batches move in groups of p through each model part in turn, backwards visit the parts in reverse, and a deeper warm-up keeps the pipe full.")
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
+def zb_h1(stages: int, microbatches: int) -> list[list[Action]]:
+    """1F1B with each backward split into B and W; stage s runs W of micro-batch j after B of j+s."""
+    _check(stages, microbatches)
+    raise NotImplementedError("TODO 5.6: Keep 1F1B's order of forwards and backwards; each backward becomes the input-gradient pass alone, and stage s runs each weight pass a fixed number of backwards later, as many as stages before it, finishing the rest at the end.")
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb-h1": zb_h1}
 
 
 def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:

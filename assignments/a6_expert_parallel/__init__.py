@@ -16,7 +16,8 @@ non-expert weight; each rank of the data group (DP replicas × P) routes its own
     backward: the same all-to-alls reversed; after it, dense gradients averaged over the data
               group, expert gradients averaged over DP and divided by P (model.py, 6.4)
 
-Read in this order: ``routing.py`` (6.1 gate and aux loss, 6.2 capacity), ``dispatch.py`` (6.3
+Read in this order: ``routing.py`` (6.1 gate and aux loss, 6.2 capacity, 6.5 the loss-free
+balancing bias), ``dispatch.py`` (6.3
 dispatch and combine: dropless uneven splits and the capacity-padded equal splits, their bytes),
 ``model.py`` (``apply_expert_parallel``: how a GPT uses it; 6.4 gradients on a dp × ep mesh).
 
@@ -38,11 +39,13 @@ from assignments.a6_expert_parallel.model import (
     apply_expert_parallel,
 )
 from assignments.a6_expert_parallel.routing import (
+    balance_experts,
     gate,
     gather_over,
     global_capacity,
     global_load,
     keep,
+    update_bias,
 )
 
 __all__ = [
@@ -50,6 +53,7 @@ __all__ = [
     "AllToAll",
     "ExpertParallel",
     "apply_expert_parallel",
+    "balance_experts",
     "by_expert",
     "dropless",
     "gate",
@@ -60,5 +64,6 @@ __all__ = [
     "keep",
     "owned",
     "padded",
+    "update_bias",
     "wire_bytes",
 ]

@@ -17,6 +17,10 @@ integers per rank: the +1 is the rank's token count) gives every rank all it nee
     capacity         queue place of my choice-s assignment to e = Σ_{s' < s} all ranks' choice-s'
                      assignments to e + the lower ranks' choice-s assignments to e + my earlier
                      tokens': the serial GShard order of the whole batch, so the same tokens drop
+    loss-free        (--balance bias, DeepSeek-V3) after each step, on every rank alike:
+      balancing      b_e += γ · sign(mean_e' load_e' − load_e), load = the whole batch's chosen
+                     counts (the gathered ones): every rank holds the same bias, the top-k choice
+                     ranks probs + b, the combine weights stay probs
 
 The routing rules themselves (top-k, combine weights, queue positions, the loss formula) are
 ``tinytrain.nn.moe``'s: one implementation, used by the serial layer and by this chapter.
@@ -76,3 +80,19 @@ def global_load(moe, gathered):
     kept = chosen if capacity is None else numpy.minimum(chosen, capacity)
     n_total = int(gathered[:, 0, E].sum())
     return chosen, kept, 1.0 - kept.sum() / max(n_total * moe.top_k, 1)
+
+
+def update_bias(moe, load) -> None:
+    """Loss-free balancing, after a step: move each expert's routing bias by the rate, up when its
+    load (assignments that chose it, whole batch) is below the mean, down when above."""
+    raise NotImplementedError("TODO 6.5: Nudge every expert's bias by a fixed step against its load: an expert busier than the average becomes less attractive, a quieter one more, one exactly at the average stays.")
+
+
+def balance_experts(model) -> None:
+    """After each optimizer step: ``update_bias`` of every MoE layer under balance "bias", from its
+    last training forward's whole-batch load (``moe.stats``: the gathered counts under EP × DP)."""
+    from tinytrain.nn.moe import MoE
+
+    for moe in model.modules():
+        if isinstance(moe, MoE) and moe.balance == "bias" and moe.stats is not None:
+            update_bias(moe, moe.stats["load"])

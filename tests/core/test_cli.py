@@ -199,6 +199,8 @@ def test_resume_with_another_model_shape_names_the_parameter(tmp_path, capsys):
         (["--block-size", "0"], "--block-size must be positive, got 0"),
         (["--microbatches", "4"], "--chunks and --microbatches cut the batch for a pipeline: they need --pp 2"),
         (["--trace", "/nonexistent-folder/x.json"], "--trace .*the folder /nonexistent-folder does not exist"),
+        (["--balance", "bias"], "--balance bias balances experts: it needs --experts N"),
+        (["--experts", "2", "--balance", "bias", "--bias-rate", "0"], "--bias-rate must be positive"),
         # --dp-algo: only over --dp alone, each of its flags only with it (tests/parallel/test_dp_algos.py runs them)
         (["--dp-algo", "async-ps", "--tp", "2"], "--dp-algo async-ps .* composes with --dp alone, not with --tp: drop"),
         (["--dp-algo", "diloco", "--zero", "1"], "--dp-algo diloco .* composes with --dp alone, not with --zero"),

@@ -291,3 +291,46 @@ def _expert_of(name: str) -> tuple[int | None, int | None]:
     if len(parts) > 4 and parts[0] == "blocks" and parts[2:4] == ["mlp", "experts"]:
         return int(parts[1]), int(parts[4])
     return None, None
+
+
+# --- loss-free balancing (--balance bias, DeepSeek-V3) ----------------------------------------------
+
+
+def test_routing_bias_steers_the_choice_only_not_the_combine_weights():
+    rng = numpy.random.default_rng(5)
+    x = Tensor(rng.normal(size=(6, 8)).astype(numpy.float32))
+    plain = MoE(8, 16, 4, top_k=2, rng=numpy.random.default_rng(1))
+    biased = MoE(8, 16, 4, top_k=2, rng=numpy.random.default_rng(1), balance="bias")
+    biased.route_bias[:] = [0.0, 0.0, 5.0, 5.0]  # experts 2 and 3 win every choice
+    y = biased(x)
+    assert (biased.stats["load"] == [0, 0, 6, 6]).all()
+    # the same output as the unbiased layer would give with the choice forced to experts 2, 3 and
+    # weights from the unbiased probabilities, renormalized over the chosen pair
+    probs = F.softmax(plain.gate(x), axis=-1)
+    experts = numpy.tile([2, 3], (6, 1))
+    weights = host(plain.combine_weights(probs, experts))
+    want = sum(weights[:, [i]] * host(plain.experts[e](x)) for i, e in enumerate((2, 3)))
+    assert_close(host(y), want, atol=1e-6, what="biased choice, unbiased weights")
+    assert_close(weights.sum(-1), numpy.ones(6), atol=1e-6, what="weights from probabilities")
+
+
+def test_bias_update_moves_against_the_load_and_balance_none_adds_no_aux_loss():
+    from tinytrain.parallel.expert_parallel import balance_experts, update_bias
+
+    moe = MoE(8, 16, 4, balance="bias", bias_rate=0.1)
+    update_bias(moe, numpy.array([7, 1, 4, 4]))  # mean 4: over, under, exactly at the mean twice
+    assert_close(moe.route_bias, numpy.array([-0.1, 0.1, 0.0, 0.0]), what="bias after one update")
+    cfg = dict(vocab_size=9, block_size=4, n_layer=1, n_head=2, n_embd=8, n_experts=4)
+    ids = numpy.random.default_rng(0).integers(0, 9, size=(3, 5))
+    losses = {}
+    for balance in ("aux", "none", "bias"):
+        model = GPT(GPTConfig(**cfg, moe_balance=balance), seed=2)
+        losses[balance] = model.loss(ids[:, :-1], ids[:, 1:]).item()
+        balance_experts(model)
+        (moe,) = [m for m in model.modules() if isinstance(m, MoE)]
+        load = moe.stats["load"]
+        want = 1e-3 * numpy.sign(load.mean() - load) if balance == "bias" else numpy.zeros(4)
+        assert_close(moe.route_bias, want, what=f"{balance}: bias after a step")
+    # no aux loss under none and bias: the loss is the task loss alone (aux is still measured)
+    assert losses["none"] == losses["bias"] < losses["aux"]
+    assert moe.stats["aux"] > 0

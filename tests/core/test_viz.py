@@ -127,3 +127,16 @@ def test_alpha_beta_fit_recovers_a_known_link_and_its_crossover():
     t = lambda algo: costs.collective_time("all_reduce", cross, n, alpha, bw, algo)  # noqa: E731
     assert t("recursive_doubling") == pytest.approx(t("halving_doubling"))
     assert costs.crossover("all_reduce", "ring", "halving_doubling", n, alpha, bw) is None  # same bytes, more steps
+
+
+def test_expert_balance_comparison_figure(tmp_path):
+    def run(loads):
+        steps = [{"step": i + 1, "loss": 2.0 - 0.01 * i, "moe": {"load": load}} for i, load in enumerate(loads)]
+        return {"steps": steps}
+
+    assert viz.max_over_mean([3, 1, 0, 0]) == 3.0 and viz.max_over_mean([2, 2]) == 1.0
+    path = tmp_path / "balance.png"
+    viz.compare_expert_balance({"aux": run([[3, 1, 0, 0]] * 30), "bias": run([[1, 1, 1, 1]] * 30)}, path)
+    assert path.stat().st_size > 0
+    with pytest.raises(ValueError, match="train with --experts"):
+        viz.compare_expert_balance({"dense": {"steps": [{"step": 1, "loss": 1.0}]}}, path)

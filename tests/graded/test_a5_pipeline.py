@@ -1,10 +1,12 @@
 """Assignment 5 (pipeline parallel), graded. Run: ``python -m grader --tasks 5.*``.
 
-Schedules (5.2-5.4) are checked on paper with the simulator in ``tinytrain.parallel.simulator``:
+Schedules (5.2-5.4, 5.6) are checked on paper with the simulator in ``tinytrain.parallel.simulator``:
 every pass exactly once, no backward before its forward, no deadlock, and the bubble share and
 peak activations of the textbook. Sizes are drawn when the test runs, so only a real schedule
 passes. Stage messages (5.1) are checked by a two-stage run whose gradients must equal a serial
-computation, and the whole pipeline by training a small GPT against a serial run.
+computation, and the whole pipeline by training a small GPT against a serial run; the split
+backward (5.5) by two-stage runs of written-out split schedules, against the serial gradients and
+with no weight gradient before a stage's first W.
 
 Besides the drawn sizes each schedule runs fixed edge cases whatever the draw: one stage, one
 micro-batch, fewer micro-batches than stages, many more; interleaved with m == p (every chunk's
@@ -207,3 +209,103 @@ def test_two_stage_training_matches_serial(impl, schedule):
                 what=f"rank {stage.rank}: gradient of {name} after a {schedule} step (seed {seed})",
             )
     SGD(stage.parameters(), lr=0.1).step()  # and the step itself runs
+
+
+# --- 5.5 the backward split into B and W in the executor --------------------------------------------
+
+
+def _split_actions(text):
+    return [Action(a[0], int(a[1:])) for a in text.split()]
+
+
+SPLIT_SCHEDULES = {  # p = 2 stages; written out: 5.5 must not depend on 5.6
+    "zb-h1 m=4": [
+        _split_actions("F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3"),
+        _split_actions("F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3"),
+    ],
+    "all W last m=3": [  # every B first: the W's must still find their micro-batch's work
+        _split_actions("F0 F1 F2 B0 B1 B2 W2 W0 W1"),
+        _split_actions("F0 F1 F2 B2 B0 B1 W1 W2 W0"),
+    ],
+    "one micro-batch": [_split_actions("F0 B0 W0"), _split_actions("F0 B0 W0")],
+}
+
+
+@pytest.mark.task("5.5")
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("case", list(SPLIT_SCHEDULES))
+@pytest.mark.parametrize("tied", [True, False])
+def test_split_backward_matches_serial_and_leaves_weights_to_w(impl, case, tied):
+    rng, seed = shared_rng()
+    cfg = GPTConfig(vocab_size=9, block_size=5, n_layer=3, n_head=2, n_embd=8, tie_weights=tied)
+    actions_of = SPLIT_SCHEDULES[case]
+    m = 1 + max(a.microbatch for a in actions_of[0])
+    ids = rng.integers(0, 9, size=(2 * m, 6))
+    x, y = ids[:, :-1], ids[:, 1:]
+    serial = GPT(cfg, seed=seed)
+    F.cross_entropy(serial(x), y).backward()
+    model = GPT(cfg, seed=seed)
+    stage = impl.pipeline.PipelineStage(model, 2)
+    actions = actions_of[stage.rank]
+    step = impl.pipeline.PipelineStep(stage, actions, x, y, m)
+    before_first_w = []
+    weights = step.weights
+
+    def watch(mb, chunk):  # the parameters with a gradient when this stage's first W starts
+        if not before_first_w:
+            before_first_w.append([n for n, p in model.named_parameters() if p.grad is not None])
+        weights(mb, chunk)
+
+    step.weights = watch
+    step.run()
+    what = f"rank {stage.rank}, {case}, tied={tied} (seed {seed})"
+    assert before_first_w[0] == [], (
+        f"{what}: parameters {before_first_w[0]} had gradients before this stage's first W; B computes the "
+        "gradient of the stage's input only, and leaves the weight gradients to W"
+    )
+    ref = dict(serial.named_parameters())
+    for name, p in model.named_parameters():
+        if any(p is q for q in stage.parameters()):
+            assert p.grad is not None, f"{what}: {name} has no gradient after the step: did every W run its work?"
+            assert_close(
+                p.grad,
+                ref[name].grad,
+                atol=1e-5,
+                rtol=1e-4,
+                what=f"{what}: gradient of {name} (does every W run the work its B kept?)",
+            )
+
+
+# --- 5.6 ZB-H1 ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.task("5.6")
+def test_zb_h1_schedule(impl):
+    rng, seed = shared_rng()
+    drawn = []
+    for _ in range(4):
+        p = int(rng.integers(2, 6))
+        drawn.append((p, int(rng.integers(p, 3 * p + 1))))
+    for p, m in drawn + [(4, 4), (4, 16), (1, 3), (3, 1), (4, 2), (2, 9)]:  # drawn, then fixed: m = p, m < p, p = 1
+        what = f"zb_h1({p}, {m}) (seed {seed})"
+        sched = impl.pipeline.zb_h1(p, m)
+        assert len(sched) == p, f"{what}: {len(sched)} stage lists, expected {p}"
+        one_f = impl.pipeline.one_f_one_b(p, m)
+        for s, actions in enumerate(sched):
+            kept = [a for a in actions if a.kind != "W"]
+            assert kept == one_f[s], f"{what}: stage {s}'s forwards and backwards are not in 1F1B's order"
+        try:  # unit costs F = B = W = 1 (a whole backward is 2, of which W is 1)
+            t = simulate(sched, forward_cost=1.0, backward_cost=2.0, weight_cost=1.0)
+        except ScheduleError as exc:
+            raise AssertionError(f"{what}: {exc}") from None
+        assert t.peak_activations == [min(p, m)] * p, (
+            f"{what}: stages hold at most {t.peak_activations} micro-batches from F to W; ZB-H1 holds "
+            f"{[min(p, m)] * p} (stage s runs W of micro-batch j right after B of j+s)"
+        )
+        if m >= p:
+            idle = p - 1  # (p-1)(F + B - W) per stage
+            assert abs(t.bubble_share - idle / (3 * m + idle)) < 1e-9, (
+                f"{what}: bubble {t.bubble_share:.4f}, zero-bubble formula (p-1)/(3m+p-1) = {idle / (3 * m + idle):.4f}"
+            )
+        unsplit = simulate(one_f, forward_cost=1.0, backward_cost=2.0).bubble_share
+        assert t.bubble_share <= unsplit + 1e-9, f"{what}: bubble {t.bubble_share:.4f} above 1F1B's {unsplit:.4f}"

@@ -4,8 +4,9 @@ Every piece is checked against the serial MoE layer (``tinytrain.nn.moe``) on th
 routing drawn when the test runs, skewed (one expert popular: drops) and near-uniform: the gate's
 choices, weights and load-balancing loss (and its gradient, summed over ranks), the capacity drops,
 dispatch and combine (outputs, input gradients) and the bytes each rank sends, and the gradients
-after 6.4's synchronization on a dp 2 × ep 2 mesh. The tasks are checked apart: each test uses
-only its own task's functions.
+after 6.4's synchronization on a dp 2 × ep 2 mesh; the routing bias of loss-free balancing (6.5)
+against sign(mean load − load). The tasks are checked apart: each test uses only its own task's
+functions.
 
 Besides the drawn configuration every test runs fixed hard cases, whatever the draw: top-1
 (Switch) and top-2 (GShard) routing, a dp 2 × ep 2 mesh (the data group is not the EP group),
@@ -130,8 +131,14 @@ SKEW = pytest.mark.parametrize("skewed", [True, False], ids=["skewed", "uniform"
 
 # --- 6.1 the gate and the whole batch's aux loss -----------------------------------------------------
 
-# case: (k, on a dp 2 × ep 2 mesh); k None: drawn
-GATE_CASES = {"drawn": (None, False), "top1": (1, False), "top2": (2, False), "mesh-2x2": (2, True)}
+# case: (k, on a dp 2 × ep 2 mesh); k None: drawn. "biased": --balance bias, a drawn routing bias
+GATE_CASES = {
+    "drawn": (None, False),
+    "top1": (1, False),
+    "top2": (2, False),
+    "mesh-2x2": (2, True),
+    "biased": (2, True),
+}
 
 
 @pytest.mark.task("6.1")
@@ -141,8 +148,13 @@ GATE_CASES = {"drawn": (None, False), "top1": (1, False), "top2": (2, False), "m
 def test_gate_matches_the_serial_layer_on_the_whole_batch(impl, skewed, case):
     ep = impl.expert_parallel
     k, on_mesh = GATE_CASES[case]
-    moe, x, _, what = drawn_layer(skewed, k=k)
+    moe, x, rng, what = drawn_layer(skewed, k=k)
     E, k, D = moe.n_experts, moe.top_k, N
+    bias = np.zeros(E)
+    if case == "biased":  # the top-k choice ranks probs + bias; the combine weights stay the probs
+        moe.balance, moe.route_bias = "bias", rng.normal(0, 0.3, E)
+        bias = moe.route_bias.copy()
+        what = f"routing bias {np.round(bias, 3).tolist()} (balance 'bias'), {what}"
     if on_mesh:
         ep_group, dp_group, me = mesh_2x2()
         what = f"dp 2 × ep 2 mesh, rank {dist.get_rank()} = data rank {me} (its {rows_of(x, me)}), {what}"
@@ -154,7 +166,7 @@ def test_gate_matches_the_serial_layer_on_the_whole_batch(impl, skewed, case):
     xs = Tensor(xp.asarray(x), requires_grad=True)
     logits = serial.gate(xs)
     probs = F.softmax(logits, axis=-1)
-    experts_all = route(host(probs), k, None)[0]
+    experts_all = route(host(probs) + bias, k, None)[0]
     chosen = np.bincount(experts_all.reshape(-1), minlength=E)
     want_aux = serial.router_loss(logits, probs, chosen, x.shape[0])
     want_w = serial.combine_weights(probs, experts_all)
@@ -532,3 +544,44 @@ def test_sync_gradients_dense_over_the_data_group_experts_over_dp(impl, case):
         except AssertionError as exc:
             hint = clean_factor(host(p.grad), want, len(group))
             raise AssertionError(f"{exc}{'; it is ' + hint if hint else ''}") from None
+
+
+# --- 6.5 loss-free balancing: the routing bias ---------------------------------------------------------
+
+# loads (assignments that chose each expert, the whole batch) and what sign(mean - load) must give;
+# fixed hard cases besides a drawn one: all equal, one expert takes everything, loads exactly at the
+# mean, a single expert, loads that are floats
+BIAS_CASES = {
+    "equal": [5, 5, 5, 5],
+    "one-hogs-all": [0, 12, 0, 0, 0, 0],
+    "at-the-mean": [7, 1, 4, 4],
+    "one-expert": [9],
+    "floats": [0.5, 2.25, 1.0],
+}
+
+
+@pytest.mark.task("6.5")
+@pytest.mark.parametrize("case", ["drawn", *BIAS_CASES])
+def test_bias_moves_each_expert_against_its_load(impl, case):
+    seed = grading_seed()
+    rng = np.random.default_rng(seed)
+    load = rng.integers(0, 20, size=int(rng.integers(2, 9))) if case == "drawn" else np.array(BIAS_CASES[case])
+    E, rate = load.shape[0], float(rng.uniform(1e-4, 0.1))
+    moe = MoE(4, 8, E, top_k=1, balance="bias", bias_rate=rate)
+    start = rng.normal(0, 0.1, E)  # a bias that has moved before
+    moe.route_bias = start.copy()
+    what = f"{case}: load {load.tolist()}, rate {rate:.4g} (seed {seed})"
+    for steps in (1, 2):  # it accumulates: each step one more nudge
+        impl.expert_parallel.update_bias(moe, load)
+        mean = load.sum() / E
+        want = start + steps * rate * np.array([1.0 if x < mean else -1.0 if x > mean else 0.0 for x in load])
+        bias = np.asarray(moe.route_bias)
+        assert bias.shape == (E,), f"{what}: route_bias has shape {bias.shape}, expected ({E},)"
+        assert_close(
+            bias,
+            want,
+            rtol=1e-12,
+            atol=1e-15,
+            what=f"{what}: route_bias after {steps} update(s); an expert above the mean load moves down by the rate, "
+            "one below moves up, one at the mean stays",
+        )

@@ -579,6 +579,7 @@ MUTANTS += [
 
 _PM = A5 + "messages.py"
 _PS = A5 + "schedules.py"
+_PE = A5 + "executor.py"
 MUTANTS += [
     M(
         "received_activation_without_grad",
@@ -645,6 +646,39 @@ MUTANTS += [
         "chunk",
         "interleaved|chunk",
     ),
+    M(
+        "split_b_runs_the_whole_backward",
+        "5.5",
+        _PE,
+        "self.weight_work[(mb, chunk)] = backward_inputs(out, [leaf] if leaf is not None else [], grad)",
+        "out.backward(grad)\n                self.weight_work[(mb, chunk)] = lambda: None",
+        "first W|weight gradients to W",
+    ),
+    M(
+        "split_w_never_runs_its_work",
+        "5.5",
+        _PE,
+        "            self.weight_work.pop((mb, chunk))()",
+        "            self.weight_work.pop((mb, chunk))",
+        "no gradient|every W",
+    ),
+    M(
+        "zb_h1_runs_w_right_after_b",
+        "5.6",
+        _PS,
+        'if a.kind == "B" and a.microbatch >= s:\n                split.append(Action("W", a.microbatch - s))',
+        'if a.kind == "B":\n                split.append(Action("W", a.microbatch))',
+        "bubble|hold|zero-bubble",
+        more=(("range(max(0, microbatches - s), microbatches)", "range(0)"),),
+    ),
+    M(
+        "zb_h1_forgets_the_last_weight_pass",
+        "5.6",
+        _PS,
+        "range(max(0, microbatches - s), microbatches)",
+        "range(max(0, microbatches - s), microbatches - 1)",
+        "split|W",
+    ),
 ]
 
 # --- assignment 6: expert parallel --------------------------------------------------------------------
@@ -667,6 +701,30 @@ MUTANTS += [
         "scale=float(gathered.shape[0])",
         "scale=1.0",
         "aux|load|router",
+    ),
+    M(
+        "gate_ignores_the_routing_bias",
+        "6.1",
+        _ER,
+        "experts = top_k(moe.selection_scores(to_host(probs.data)), k)",
+        "experts = top_k(to_host(probs.data), k)",
+        "routing bias",
+    ),
+    M(
+        "bias_moves_with_the_load",
+        "6.5",
+        _ER,
+        "numpy.sign(load.mean() - load)",
+        "numpy.sign(load - load.mean())",
+        "route_bias|mean",
+    ),
+    M(
+        "bias_steps_by_the_load_gap",  # proportional, not DeepSeek-V3's fixed-size sign step
+        "6.5",
+        _ER,
+        "numpy.sign(load.mean() - load)",
+        "(load.mean() - load)",
+        "route_bias|rate",
     ),
     M("capacity_admits_one_too_many", "6.2", _ER, "< capacity", "<= capacity", "drop|capacity|kept"),
     M(

@@ -42,12 +42,14 @@ def grad(p):
     return np.zeros(p.shape, dtype=np.float32) if p.grad is None else host(p.grad)
 
 
-def moe_gpt(k, cf, seed=3, dtype=np.float32):
+def moe_gpt(k, cf, seed=3, dtype=np.float32, balance="aux"):
     """Two blocks of E experts with a sharp gate. AdamW runs in float64: it turns the float32 noise of
-    a gradient that is exactly 0 in exact arithmetic (the attention key bias) into full-size steps."""
+    a gradient that is exactly 0 in exact arithmetic (the attention key bias) into full-size steps.
+    Under balance "bias" the rate is large (0.2) so that the bias changes choices within 3 steps."""
     cfg = GPTConfig(
-        vocab_size=VOCAB, block_size=T, n_layer=2, n_head=2, n_embd=C, n_experts=E, moe_top_k=k, moe_capacity_factor=cf
-    )
+        vocab_size=VOCAB, block_size=T, n_layer=2, n_head=2, n_embd=C, n_experts=E, moe_top_k=k, moe_capacity_factor=cf,
+        moe_balance=balance, moe_bias_rate=0.2,
+    )  # fmt: skip
     model = GPT(cfg, seed=seed)
     rng = np.random.default_rng(seed)
     for m in model.modules():  # a sharper gate than the init: skewed routing, real drops
@@ -92,7 +94,9 @@ def grad_atol(serial):
 
 
 def check_against_serial(ep, model, k, cf, opt_kind, steps=3):
-    serial = moe_gpt(k, cf, dtype=model.wte.weight.data.dtype)
+    balance = model.config.moe_balance
+    serial = moe_gpt(k, cf, dtype=model.wte.weight.data.dtype, balance=balance)
+    loads = []
     names = {id(p): n for n, p in model.named_parameters()}
     ref = dict(serial.named_parameters())
     mine = ep.parameters(model)
@@ -109,6 +113,7 @@ def check_against_serial(ep, model, k, cf, opt_kind, steps=3):
         stats = ep.stats()
         serial_moes = [m for m in serial.modules() if isinstance(m, MoE)]
         np.testing.assert_array_equal(stats["load"], np.stack([m.stats["load"] for m in serial_moes]))
+        loads.append(stats["load"])
         np.testing.assert_allclose(stats["dropped"], [m.stats["dropped"] for m in serial_moes], atol=1e-12)
         np.testing.assert_allclose(stats["aux"], [m.stats["aux"] for m in serial_moes], rtol=1e-5)
         dropped += stats["dropped"].sum()
@@ -117,6 +122,11 @@ def check_against_serial(ep, model, k, cf, opt_kind, steps=3):
             s = ref[names[id(p)]]
             np.testing.assert_allclose(grad(p), grad(s), rtol=RTOL, atol=atol, err_msg=f"step {step}: {names[id(p)]}")
         opt_s.step(), opt_p.step()
+        ep_mod.balance_experts(serial), ep_mod.balance_experts(model)  # --balance bias: the whole batch's load
+        for mine_moe, serial_moe in zip(ep.moes, serial_moes):
+            np.testing.assert_array_equal(mine_moe.route_bias, serial_moe.route_bias, err_msg=f"step {step}: bias")
+    if balance == "bias":  # the bias moved, and changed where tokens go
+        assert any(np.abs(m.route_bias).sum() > 0 for m in ep.moes)
     assert (dropped > 0) == (cf > 0), f"capacity factor {cf}: dropped share {dropped}"
     for p in mine:
         np.testing.assert_allclose(host(p), host(ref[names[id(p)]]), rtol=RTOL, atol=ATOL, err_msg=names[id(p)])
@@ -145,10 +155,18 @@ def test_padded_dispatch_with_adamw_matches_serial(k, cf):
 
 
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize("k,cf,variant", [(2, 0.0, "dropless"), (1, 0.75, "dropless"), (2, 0.6, "padded")])
-def test_dp2_ep2_mesh_matches_serial(k, cf, variant):
+@pytest.mark.parametrize(
+    "k,cf,variant,balance",
+    [
+        (2, 0.0, "dropless", "aux"),
+        (1, 0.75, "dropless", "aux"),
+        (2, 0.6, "padded", "aux"),
+        (2, 0.6, "dropless", "bias"),
+    ],
+)
+def test_dp2_ep2_mesh_matches_serial(k, cf, variant, balance):
     mesh = dist.DeviceMesh({"dp": 2, "ep": 2})
-    model = moe_gpt(k, cf, dtype=np.float64)
+    model = moe_gpt(k, cf, dtype=np.float64, balance=balance)
     ep = ep_mod.apply_expert_parallel(model, mesh.get_group("ep"), mesh.get_group("dp"), variant=variant)
     assert ep.data_size == 4 and ep.data_rank == dist.get_rank()
     check_against_serial(ep, model, k, cf, "adamw")

@@ -80,10 +80,14 @@ def run_layout(tmp_path, layout: str, extra=(), key="addition") -> None:
         "--pp 2 --dp 2 --schedule gpipe",
         "--pp 2 --tp 2 --sp",
         "--pp 2 --tp 2 --schedule interleaved --chunks 2 --microbatches 4",
+        "--pp 4 --schedule zb-h1",
+        "--pp 2 --dp 2 --zero 1 --schedule zb-h1",
+        "--pp 2 --tp 2 --sp --schedule zb-h1",
         "--dp 2 --tp 2 --zero 3",
         "--dp 2 --tp 2 --sp --zero 3",
         "--pp 2 --dp 2 --zero 3",
         "--pp 2 --dp 2 --zero 3 --schedule interleaved --chunks 2 --microbatches 4",
+        "--pp 2 --dp 2 --zero 3 --schedule zb-h1",  # ZeRO-3's units are recomputed segments: whole in B
     ],
 )
 def test_four_rank_layouts_lie_on_the_serial_curve(tmp_path, layout):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinytrain.parallel.pipeline import gpipe, interleaved_1f1b, make_schedule, one_f_one_b, split_layers
+from tinytrain.parallel.pipeline import gpipe, interleaved_1f1b, make_schedule, one_f_one_b, split_layers, zb_h1
 from tinytrain.parallel.simulator import Action, ScheduleError, bubble_formula, simulate, validate
 
 rng = np.random.default_rng()
@@ -45,11 +45,47 @@ def test_interleaving_divides_the_bubble(p, k, v):
         assert t.bubble_share < simulate(one_f_one_b(p, m)).bubble_share
 
 
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in SHAPES if m >= p] + [(4, 4), (4, 8), (4, 16), (3, 3), (6, 7)])
+def test_zb_h1_with_unit_costs_has_the_zero_bubble_formula(p, m):
+    # F = B = W = 1: the whole backward costs 2, of which W is 1
+    t = simulate(zb_h1(p, m), forward_cost=1.0, backward_cost=2.0, weight_cost=1.0)
+    idle_per_stage = (p - 1) * (1 + 1 - 1)  # (p-1)(F + B - W), counted independently of the code
+    assert t.makespan == pytest.approx(3 * m + idle_per_stage)
+    assert t.bubble_share == pytest.approx(idle_per_stage / (3 * m + idle_per_stage), abs=1e-12)
+    assert bubble_formula(p, m, schedule="zb-h1") == pytest.approx(t.bubble_share, abs=1e-12)
+    # the same peak as 1F1B's (its stage 0 holds p), now on every stage
+    assert t.peak_activations == [p] * p
+    if p > 1:  # about a third of 1F1B's
+        one_f = simulate(one_f_one_b(p, m), 1.0, 2.0).bubble_share
+        assert t.bubble_share < 0.5 * one_f
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (4, 2), (5, 3), (1, 4)])
+def test_zb_h1_with_fewer_microbatches_than_stages_still_beats_1f1b(p, m):
+    t = simulate(zb_h1(p, m), 1.0, 2.0, weight_cost=1.0)
+    assert t.peak_activations == [min(p, m)] * p
+    assert t.bubble_share <= simulate(one_f_one_b(p, m), 1.0, 2.0).bubble_share + 1e-12
+
+
+def test_split_schedules_are_checked():
+    with pytest.raises(ScheduleError, match="stage 0 runs W0 before B0"):
+        validate([[Action("F", 0), Action("W", 0), Action("B", 0)]])
+    with pytest.raises(ScheduleError, match="splits some backwards into B and W but not all"):
+        validate([[Action("F", 0), Action("F", 1), Action("B", 0), Action("W", 0), Action("B", 1)]])
+    with pytest.raises(ScheduleError, match="an action is F, B or W"):
+        validate([[Action("F", 0), Action("X", 0)]])
+
+
 def test_every_pass_runs_once_and_in_order():
-    for sched, chunks in [(gpipe(3, 4), 1), (one_f_one_b(3, 4), 1), (interleaved_1f1b(3, 6, 2), 2)]:
+    for sched, chunks, passes in [
+        (gpipe(3, 4), 1, 2),
+        (one_f_one_b(3, 4), 1, 2),
+        (interleaved_1f1b(3, 6, 2), 2, 2),
+        (zb_h1(3, 4), 1, 3),
+    ]:
         validate(sched, chunks)
         for actions in sched:
-            assert len(actions) == len(set(actions)) == 2 * (len(actions) // 2)
+            assert len(actions) == len(set(actions)) == passes * (len(actions) // passes)
 
 
 def test_backward_before_forward_is_refused():

@@ -4,6 +4,8 @@ from tinytrain.autograd.checkpoint import checkpoint
 from tinytrain.autograd.engine import (
     Context,
     Function,
+    WeightGradients,
+    backward_inputs,
     enable_grad,
     is_grad_enabled,
     loss_scaling,
@@ -21,6 +23,8 @@ __all__ = [
     "Function",
     "Parameter",
     "Tensor",
+    "WeightGradients",
+    "backward_inputs",
     "checkpoint",
     "enable_grad",
     "is_grad_enabled",

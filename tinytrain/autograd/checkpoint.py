@@ -111,6 +111,10 @@ class _Segment:
 class _Recompute(Function):
     """The segment as one step of the graph; its output is an empty handle the real outputs hang on."""
 
+    # Its backward is the whole segment's (weights included) in one inner backward: a split
+    # backward (engine.backward_inputs) runs it whole in B, so its weight gradients come with B.
+    split_backward = False
+
     @staticmethod
     def forward(ctx, anchor, *arrays, segment):
         # BEGIN SOLUTION 8.1 "Keep the inputs and nothing that the ops inside would keep: compute the outputs once, without building a graph, inside the forward context and marked as a recomputed part; give their values (and whether a tuple came back) to the shared record, and return the empty handle." full="Store segment on ctx; ctx.save_for_backward(*arrays); inside segment.enter('forward'), no_grad() and _random.segment(), segment.run(ctx, arrays, grad=False); set segment.values to the outputs' arrays and segment.is_tuple; return a 0-element float32 array."

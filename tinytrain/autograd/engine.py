@@ -23,6 +23,10 @@ count reaches zero the leaf's gradient is complete: it is added to ``leaf.grad``
 post-accumulate hooks fire right then, in the middle of the backward pass. Data parallel training
 uses that moment to start all-reducing a gradient while the rest of backward still runs.
 
+A backward can also run in two phases (``backward_inputs``, below): B, the inputs' gradients,
+now; W, the weight gradients, later, bit for bit the same numbers. Zero-bubble pipeline schedules
+fill their bubbles with the W's.
+
 Bytes saved for backward are counted while alive (``saved_bytes()``): that is the activation
 memory that pipeline and sequence parallel reduce, measured rather than estimated.
 
@@ -226,6 +230,8 @@ _tensor_class = [None]  # set by tinytrain.autograd.tensor (which imports this m
 class Function:
     """Base class of differentiable operations; see the module docstring."""
 
+    split_backward = True  # False: backward_inputs runs this op's backward whole in B (see there)
+
     @staticmethod
     def forward(ctx, *args, **kwargs):
         raise NotImplementedError
@@ -329,8 +335,8 @@ def _finish_leaf(leaf, g) -> None:
         hook(leaf)
 
 
-def backward(root, grad=None, retain_graph: bool = False) -> None:
-    """Compute d(root)/d(leaf) for every leaf that requires grad; add it to ``leaf.grad``."""
+def _seed(root, grad):
+    """The gradient a backward starts from: the given one, or 1 (the loss scale) for a scalar."""
     if not root.requires_grad:
         raise RuntimeError(
             "backward() on a tensor that does not require grad: no parameter it depends on has "
@@ -342,23 +348,39 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
                 f"backward() without a gradient needs a scalar output, got shape {root.shape}; "
                 "pass grad= with the output's shape, or reduce the output first (e.g. .sum())."
             )
-        grad = xp.full_like(root.data, _GradMode.loss_scale)  # 1, or the loss scale (loss_scaling)
-    else:
-        grad = grad.data if hasattr(grad, "_ctx") else xp.asarray(grad, dtype=root.data.dtype)
-        if grad.shape != root.shape:
-            raise ValueError(f"grad has shape {grad.shape}, but the output has shape {root.shape}")
+        return xp.full_like(root.data, _GradMode.loss_scale)  # 1, or the loss scale (loss_scaling)
+    grad = grad.data if hasattr(grad, "_ctx") else xp.asarray(grad, dtype=root.data.dtype)
+    if grad.shape != root.shape:
+        raise ValueError(f"grad has shape {grad.shape}, but the output has shape {root.shape}")
+    return grad
 
+
+def backward(root, grad=None, retain_graph: bool = False) -> None:
+    """Compute d(root)/d(leaf) for every leaf that requires grad; add it to ``leaf.grad``."""
+    grad = _seed(root, grad)
     if root._ctx is None:  # backward on a leaf: its gradient is the given one
         _finish_leaf(root, grad)
         return
-
     order, leaf_edges = _topological_order(root)
-    grads = {id(root): grad}
+    _walk([(t, None, _ALL) for t in order], {id(root): grad}, leaf_edges, retain_graph)
+
+
+# Which inputs of a node one pass of the walk hands gradients to.
+_ALL, _INPUTS, _WEIGHTS = "all", "inputs", "weights"
+
+
+def _walk(steps, grads: dict, leaf_edges: dict, retain_graph: bool, keep=None) -> None:
+    """Run the backward of each step ``(tensor, given gradient or None, side)`` in order.
+
+    ``side`` says which of the node's inputs get their gradient now: all of them, only those on
+    the path to the inputs (B), or only the others (W). A node's gradient is complete when its
+    turn comes (every node that uses it comes earlier in ``order``), so the walk is the same
+    dependency count for any side. ``keep`` (B only) collects the steps whose W is still to run."""
     with no_grad():
-        for t in order:
+        for t, given, side in steps:
             ctx = t._ctx
-            g = grads.pop(id(t), None)
-            if g is not None:
+            g = given if given is not None else grads.pop(id(t), None)
+            if g is not None and given is None:
                 for hook in t._hooks:
                     new = hook(g)
                     if new is not None:
@@ -368,20 +390,32 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
                     f"backward through {ctx.fn.__name__} a second time: its saved arrays were "
                     "freed by the first backward. Pass retain_graph=True to the first call."
                 )
+            wanted = _wanted(ctx, side)
             if g is None:
                 in_grads = (None,) * len(ctx.inputs)
             else:
+                full = ctx.needs_input_grad
+                if side != _ALL:  # the op computes only the gradients this pass hands on
+                    ctx.needs_input_grad = tuple(n and w for n, w in zip(full, wanted))
                 seconds = _op_seconds[0]
                 start = time.perf_counter() if seconds is not None else 0.0
-                in_grads = ctx.fn.backward(ctx, g)
+                try:
+                    in_grads = ctx.fn.backward(ctx, g)
+                finally:
+                    ctx.needs_input_grad = full
                 if seconds is not None:
                     _add_seconds(seconds, ctx.fn, "backward", start)
                 if not isinstance(in_grads, tuple):
                     in_grads = (in_grads,)
-            if not retain_graph:
+            later = keep is not None and any(
+                inp is not None and inp.requires_grad and not w for inp, w in zip(ctx.inputs, wanted)
+            )
+            if later:
+                keep.append((t, g, _WEIGHTS))  # its saved arrays stay until W has used them
+            elif not retain_graph:
                 ctx.release()
-            for inp, ig in zip(ctx.inputs, in_grads):
-                if inp is None or not inp.requires_grad:
+            for inp, ig, w in zip(ctx.inputs, in_grads, wanted):
+                if inp is None or not inp.requires_grad or not w:
                     continue
                 if ig is not None:
                     if ig.dtype != inp.data.dtype:  # a gradient has its tensor's dtype
@@ -392,3 +426,87 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
                     leaf_edges[key] -= 1
                     if leaf_edges[key] == 0:
                         _finish_leaf(inp, grads.pop(key, None))
+
+
+def _wanted(ctx, side) -> tuple:
+    """Per input of ``ctx``: does it get its gradient in this pass?"""
+    if side == _ALL:
+        return (True,) * len(ctx.inputs)
+    on_path = ctx.on_input_path
+    return tuple(on_path[i] == (side == _INPUTS) for i in range(len(ctx.inputs)))
+
+
+# --------------------------------------------------------------------------------------------
+# Backward in two phases: B (the inputs' gradients) now, W (the weights') later
+#
+# A backward is two different computations. From the output back to a stage's input, each op
+# hands back d(loss)/d(its input): that chain is B, and the previous pipeline stage waits for its
+# end. Each op with weights also computes d(loss)/d(weight) from the same output gradient and its
+# saved input: that is W, and nobody waits for it until the optimizer step. ``backward_inputs``
+# runs B only, keeping every node's output gradient that W needs, and returns the W work:
+#
+#     x ─► Linear(w1) ─► GELU ─► Linear(w2) ─► out        B:  out ─► g·w2ᵀ ─► GELU' ─► ·w1ᵀ ─► x.grad
+#                                                         W:  xᵀ·g1 ─► w1.grad,  hᵀ·g2 ─► w2.grad
+#
+# Each op's backward already computes only what ``ctx.needs_input_grad`` asks for, so B asks each
+# op on the path for its path inputs' gradients, W asks the same op (same output gradient) for
+# the rest. Every op computes each input's gradient on its own, and W walks the nodes in the
+# order the full backward does, so every gradient comes out bit for bit the one full backward
+# gives (tests/autograd/test_split_backward.py). A Function whose backward cannot be cut in two
+# (``split_backward = False``: a recomputed segment runs its whole block's backward at once)
+# runs whole in B.
+
+
+class WeightGradients:
+    """The W half of a split backward: call it (once) to add the weight gradients to ``.grad``."""
+
+    def __init__(self, steps, grads, leaf_edges, leaf=None):
+        self.steps, self.grads, self.leaf_edges = steps, grads, leaf_edges
+        self.leaf = leaf  # (leaf, gradient) when the root itself was a weight
+
+    def __call__(self) -> None:
+        if self.steps is None:
+            raise RuntimeError("this backward's weight gradients were computed already (W runs once)")
+        steps, self.steps = self.steps, None
+        if self.leaf is not None:
+            _finish_leaf(*self.leaf)
+        _walk(steps, self.grads, self.leaf_edges, retain_graph=False)
+        self.grads = self.leaf_edges = self.leaf = None
+
+
+def backward_inputs(root, inputs, grad=None) -> WeightGradients:
+    """B: d(root)/d(x) into ``x.grad`` for each leaf x in ``inputs``; returns W, the rest of the
+    backward (every other leaf's gradient), to call later. Together they give exactly the
+    gradients of ``backward(root, grad)``. ``inputs`` may be empty (then B does nothing)."""
+    grad = _seed(root, grad)
+    wanted = {id(x) for x in inputs}
+    if root._ctx is None:  # a leaf: it is an input (B finishes it) or a weight (W does)
+        if id(root) in wanted:
+            _finish_leaf(root, grad)
+            return WeightGradients([], {}, {})
+        return WeightGradients([], {}, {}, leaf=(root, grad))
+    order, leaf_edges = _topological_order(root)
+    path = _mark_input_path(order, wanted)
+    grads = {id(root): grad}
+    deferred = []
+    _walk([(t, None, _INPUTS) for t in order if id(t) in path], grads, leaf_edges, False, keep=deferred)
+    # W: the nodes B left weight work on, and the nodes off the path, in the full backward's order
+    position = {id(t): i for i, t in enumerate(order)}
+    steps = deferred + [(t, None, _ALL) for t in order if id(t) not in path]
+    steps.sort(key=lambda step: position[id(step[0])])
+    return WeightGradients(steps, grads, leaf_edges)
+
+
+def _mark_input_path(order, wanted: set) -> set:
+    """Ids of the nodes from which one of the ``wanted`` leaves is reached; on each node's context,
+    ``on_input_path[i]``: does input i lead there (it is such a node, or a wanted leaf)?"""
+    path: set = set()
+    for t in reversed(order):  # the tensors a node was made from come first
+        ctx = t._ctx
+        whole = not getattr(ctx.fn, "split_backward", True)
+        ctx.on_input_path = tuple(
+            inp is not None and (whole or id(inp) in wanted or id(inp) in path) for inp in ctx.inputs
+        )
+        if any(ctx.on_input_path):
+            path.add(id(t))
+    return path

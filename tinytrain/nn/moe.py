@@ -21,6 +21,13 @@ Conventions (Switch Transformer for k = 1, GShard for k = 2):
   assignments that chose expert e (counted before capacity drops, not differentiable; for k > 1
   normalized by N·k so Σ f = 1), P_e the mean gate probability of e (differentiable). It is 1 when
   routing is uniform and grows towards E as everything goes to one expert.
+- **Balancing** (``balance``): ``"aux"`` adds the load-balancing loss above to the training
+  loss (``GPT.loss``). ``"bias"`` is DeepSeek-V3's loss-free balancing: no aux loss; a per-expert
+  bias ``route_bias`` (not a parameter, no gradient) is added to the probabilities for the top-k
+  *choice* only — the combine weights stay the unbiased probabilities — and after each optimizer
+  step moves by ``bias_rate · sign(mean load − load_e)`` against the whole batch's load
+  (``expert_parallel.update_bias``): an overloaded expert becomes less attractive, an idle one more.
+  ``"none"``: neither (the aux value is still measured and logged).
 - **Router z-loss** (ST-MoE), optional: ``z = mean_t logsumexp(logits_t)²``, added to the aux
   loss with weight ``z_loss`` (default 0). ``GPT.loss`` multiplies the aux loss by
   ``GPTConfig.moe_aux_weight`` (default 0.01), so ``z_loss = 0.1`` is ST-MoE's 1e-3 on the total loss.
@@ -47,6 +54,8 @@ from tinytrain.autograd import Tensor
 from tinytrain.backend import to_host, xp
 from tinytrain.nn.layers import MLP, Linear
 from tinytrain.nn.module import Module, ModuleList
+
+BALANCES = ("aux", "bias", "none")
 
 # --- routing on host arrays: pure functions the expert-parallel chapter reuses ----------------------
 
@@ -123,8 +132,12 @@ class MoE(Module):
         proj_std=0.02,
         rng=None,
         z_loss=0.0,
+        balance="aux",
+        bias_rate=1e-3,
     ):
         super().__init__()
+        if balance not in BALANCES:
+            raise ValueError(f"balance must be one of {', '.join(BALANCES)}, got {balance!r}")
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
         if capacity_factor < 0:
@@ -132,6 +145,8 @@ class MoE(Module):
         if z_loss < 0:
             raise ValueError(f"z_loss must be >= 0 (0 turns the router z-loss off), got {z_loss}")
         self.n_experts, self.top_k, self.capacity_factor, self.z_loss = n_experts, top_k, capacity_factor, z_loss
+        self.balance, self.bias_rate = balance, bias_rate
+        self.route_bias = numpy.zeros(n_experts)  # balance "bias": added to the scores the top-k choice sees
         self.gate = Linear(n_embd, n_experts, bias=False, rng=rng)
         self.experts = ModuleList(MLP(n_embd, hidden, dropout, bias, proj_std, rng) for _ in range(n_experts))
         self.aux_loss = None
@@ -151,7 +166,7 @@ class MoE(Module):
         n = tokens.shape[0]
         logits = self.gate(tokens)
         probs = F.softmax(logits, axis=-1)  # (N, E)
-        experts, order, counts, kept = route(to_host(probs.data), self.top_k, self.capacity(n))
+        experts, order, counts, kept = route(self.selection_scores(to_host(probs.data)), self.top_k, self.capacity(n))
         weights = self.combine_weights(probs, experts)
         outputs = self.run_experts(tokens[xp.asarray(order // self.top_k)], counts, range(self.n_experts))
         y = self.combine(outputs, order, weights)
@@ -161,6 +176,11 @@ class MoE(Module):
         return y.reshape(*shape)
 
     # --- the pieces, shared with expert parallel -------------------------------------------------------
+
+    def selection_scores(self, probs):
+        """What the top-k choice ranks (host (N, E)): the probabilities, plus the routing bias under
+        balance "bias". Only the choice sees the bias; the combine weights are the probabilities."""
+        return probs + self.route_bias if self.balance == "bias" else probs
 
     def combine_weights(self, probs, experts):
         """(N, k) weight of each assignment: raw p for k = 1, renormalized over the top-k for k ≥ 2."""
@@ -217,7 +237,8 @@ class MoE(Module):
 
     def extra_repr(self):
         z = f", z_loss={self.z_loss}" if self.z_loss else ""
-        return f"experts={self.n_experts}, top_k={self.top_k}, capacity_factor={self.capacity_factor}{z}"
+        b = f", balance={self.balance}" if self.balance != "aux" else ""
+        return f"experts={self.n_experts}, top_k={self.top_k}, capacity_factor={self.capacity_factor}{z}{b}"
 
 
 def moe_step_stats(model) -> dict:
@@ -238,3 +259,17 @@ def summarize_stats(load, dropped, aux) -> dict:
         "dropped": float(numpy.mean(dropped)),
         "aux": float(numpy.sum(aux)),
     }
+
+
+def routing_biases(model) -> dict:
+    """Every MoE layer's routing bias (balance "bias"), by module name, for a checkpoint."""
+    return {
+        name: m.route_bias.tolist() for name, m in model.named_modules() if isinstance(m, MoE) and m.balance == "bias"
+    }
+
+
+def load_routing_biases(model, saved: dict) -> None:
+    """Set the routing biases a checkpoint saved (``routing_biases``)."""
+    layers = dict(model.named_modules())
+    for name, bias in saved.items():
+        layers[name].route_bias = numpy.asarray(bias, dtype=numpy.float64)

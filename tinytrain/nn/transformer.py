@@ -42,7 +42,9 @@ class GPTConfig:
     moe_top_k: int = 2
     moe_capacity_factor: float = 0.0  # 0: no capacity limit (no token is dropped)
     moe_z_loss: float = 0.0  # weight of the router z-loss inside the MoE aux loss (0: off)
-    moe_aux_weight: float = 0.01  # weight of the MoE load-balancing loss in GPT.loss
+    moe_aux_weight: float = 0.01  # weight of the MoE load-balancing loss in GPT.loss (balance "aux")
+    moe_balance: str = "aux"  # "aux" loss, "bias" (DeepSeek-V3's loss-free routing bias) or "none"
+    moe_bias_rate: float = 1e-3  # balance "bias": how far a step moves an expert's bias
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -56,6 +58,8 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.moe_balance not in ("aux", "bias", "none"):
+            raise ValueError(f"moe_balance must be aux, bias or none, got {self.moe_balance!r}")
         if self.n_experts < 0 or (self.n_experts and not 1 <= self.moe_top_k <= self.n_experts):
             raise ValueError(f"moe_top_k={self.moe_top_k} must be between 1 and n_experts={self.n_experts}")
 
@@ -160,6 +164,8 @@ class Block(Module):
                 proj_std,
                 rng,
                 z_loss=config.moe_z_loss,
+                balance=config.moe_balance,
+                bias_rate=config.moe_bias_rate,
             )
         else:
             self.mlp = MLP(C, 4 * C, config.dropout, config.bias, proj_std, rng)
@@ -293,7 +299,7 @@ class GPT(Module):
             loss = F.cross_entropy(self.logits(x), targets)
         else:
             loss = F.cross_entropy(self.logits(x), targets, reduction="sum") / denominator
-        if self.config.n_experts:
+        if self.config.n_experts and self.config.moe_balance == "aux":
             loss = loss + self.config.moe_aux_weight * self.moe_aux_loss()
         return loss
 

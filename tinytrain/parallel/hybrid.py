@@ -55,6 +55,7 @@ from tinytrain.nn.moe import moe_step_stats, summarize_stats
 from tinytrain.nn.recompute import apply_recompute, recomputed_attention
 from tinytrain.optim import clip_grad_norm_, grads_finite
 from tinytrain.parallel import costs
+from tinytrain.parallel.expert_parallel.routing import balance_experts
 from tinytrain.parallel.plan import Plan
 from tinytrain.parallel.wrapper import average_op
 
@@ -317,6 +318,7 @@ class ParallelModel:
             self.dp.step()
         else:
             optimizer.step()
+        balance_experts(self.model)  # --balance bias: from the whole batch's load, alike on every rank
 
     def found_inf(self) -> bool:
         """Does a gradient on any rank hold an inf or NaN (fp16 loss scaling)? Every rank must skip

@@ -8,6 +8,12 @@ from k-1 and sends to k+1, the backward the reverse.
 ``simulate`` plays a schedule with given costs, finds deadlocks and backward-before-forward
 mistakes, and measures the bubble share and the activations each stage holds, so a schedule can
 be checked and drawn before a single message is sent.
+
+A zero-bubble schedule splits each backward in two (``autograd.backward_inputs``): ``B`` computes
+the gradient of the stage's input (the previous stage waits for it) and ``W`` the weight
+gradients (nobody waits for them). ``backward_cost`` is the whole backward's; of it ``W`` costs
+``weight_cost`` (default half) and ``B`` the rest. A micro-batch's activations are held from its
+``F`` until its backward is complete: its ``W`` when split, else its ``B``.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "F" or "B"
+    kind: str  # "F" forward, "B" backward (of the input only, when a "W" follows), "W" weights
     microbatch: int
     chunk: int = 0
 
@@ -36,7 +42,7 @@ class Timeline:
     events: list  # (stage, Action, start, end)
     makespan: float
     bubble_share: float
-    peak_activations: list  # per stage: most micro-batch chunks held at once
+    peak_activations: list  # per stage: most micro-batch chunks held at once (from F to W, or to B)
 
     def rows(self) -> list:
         """The events as plain tuples (stage, kind, microbatch, chunk, start, end), for tinytrain.viz."""
@@ -53,6 +59,8 @@ def _virtual(stage: int, action: Action, stages: int) -> int:
 def _dependency(stage, action, stages, n_virtual):
     """The pass (virtual stage, kind, micro-batch) that must finish first, or None."""
     k = _virtual(stage, action, stages)
+    if action.kind == "W":  # its own B, earlier in the same stage's list (validate checks)
+        return None
     if action.kind == "F":
         return (k - 1, "F", action.microbatch) if k > 0 else None
     if k < n_virtual - 1:
@@ -61,18 +69,26 @@ def _dependency(stage, action, stages, n_virtual):
 
 
 def validate(schedule, chunks: int = 1) -> None:
-    """Every pass appears once, and a stage runs B of a micro-batch chunk after its F."""
+    """Every pass appears once, a stage runs B of a micro-batch chunk after its F and W after its
+    B, and a stage splits either every backward into B and W or none."""
     stages = len(schedule)
     for s, actions in enumerate(schedule):
         seen = set()
         for a in actions:
+            if a.kind not in ("F", "B", "W"):
+                raise ScheduleError(f"stage {s} runs {a}: an action is F, B or W")
             if a in seen:
                 raise ScheduleError(f"stage {s} runs {a} twice")
-            if a.kind == "B" and Action("F", a.microbatch, a.chunk) not in seen:
-                raise ScheduleError(f"stage {s} runs {a} before F{a.microbatch}" + (f".{a.chunk}" if a.chunk else ""))
+            before = {"B": "F", "W": "B"}.get(a.kind)
+            if before and Action(before, a.microbatch, a.chunk) not in seen:
+                chunk = f".{a.chunk}" if a.chunk else ""
+                raise ScheduleError(f"stage {s} runs {a} before {before}{a.microbatch}{chunk}")
             if not 0 <= a.chunk < chunks:
                 raise ScheduleError(f"stage {s}: {a} names chunk {a.chunk}, but there are {chunks} chunks")
             seen.add(a)
+        weights = {(a.microbatch, a.chunk) for a in actions if a.kind == "W"}
+        if weights and weights != {(a.microbatch, a.chunk) for a in actions if a.kind == "B"}:
+            raise ScheduleError(f"stage {s} splits some backwards into B and W but not all")
     forwards = [{(a.microbatch, a.chunk) for a in actions if a.kind == "F"} for actions in schedule]
     if any(f != forwards[0] for f in forwards):
         raise ScheduleError("stages run different sets of micro-batches")
@@ -80,9 +96,16 @@ def validate(schedule, chunks: int = 1) -> None:
 
 
 def simulate(
-    schedule, forward_cost: float = 1.0, backward_cost: float = 2.0, comm_cost: float = 0.0, chunks: int = 1
+    schedule,
+    forward_cost: float = 1.0,
+    backward_cost: float = 2.0,
+    comm_cost: float = 0.0,
+    chunks: int = 1,
+    weight_cost: float | None = None,
 ) -> Timeline:
     """Play ``schedule`` with per-pass costs (a chunk's pass costs 1/chunks of a stage's).
+    ``backward_cost`` is a whole backward's; split into B and W, ``weight_cost`` of it is W's
+    (default half).
 
     Each stage runs its actions in order, each as soon as the stage is free and the pass it
     depends on has finished (plus ``comm_cost`` when that pass ran on another stage). Sends never
@@ -91,7 +114,12 @@ def simulate(
     validate(schedule, chunks)
     stages = len(schedule)
     n_virtual = stages * chunks
-    cost = {"F": forward_cost / chunks, "B": backward_cost / chunks}
+    w = backward_cost / 2 if weight_cost is None else weight_cost
+    split = [any(a.kind == "W" for a in actions) for actions in schedule]
+    cost = [
+        {"F": forward_cost / chunks, "B": (backward_cost - (w if sp else 0.0)) / chunks, "W": w / chunks}
+        for sp in split
+    ]
     done: dict = {}  # (virtual stage, kind, microbatch) -> finish time
     position = [0] * stages
     free_at = [0.0] * stages
@@ -108,11 +136,11 @@ def simulate(
                     break
                 ready = 0.0 if dep is None else done[dep] + (comm_cost if dep[0] % stages != s else 0.0)
                 start = max(free_at[s], ready)
-                end = start + cost[a.kind]
+                end = start + cost[s][a.kind]
                 done[(_virtual(s, a, stages), a.kind, a.microbatch)] = end
                 free_at[s] = end
                 events.append((s, a, start, end))
-                held[s] += 1 if a.kind == "F" else -1
+                held[s] += 1 if a.kind == "F" else -1 if a.kind == ("W" if split[s] else "B") else 0
                 peak[s] = max(peak[s], held[s])
                 position[s] += 1
                 remaining -= 1
@@ -135,6 +163,10 @@ def _describe(dep, stages):
     return f"{kind}{mb} of virtual stage {k} (stage {k % stages}, chunk {k // stages})"
 
 
-def bubble_formula(stages: int, microbatches: int, chunks: int = 1) -> float:
-    """The textbook bubble share (p-1)/(v·m + p-1) for equal-cost passes and free messages."""
+def bubble_formula(stages: int, microbatches: int, chunks: int = 1, schedule: str = "1f1b") -> float:
+    """The textbook bubble share for free messages: (p-1)/(v·m + p-1) for GPipe, 1F1B and
+    interleaved (any ratio of forward to backward cost); ZB-H1's (p-1)/(3m + p-1) with F = B = W
+    (each a third of a forward plus backward) and m >= p."""
+    if schedule == "zb-h1":
+        return (stages - 1) / (3 * microbatches + stages - 1)
     return (stages - 1) / (chunks * microbatches + stages - 1)

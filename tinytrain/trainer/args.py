@@ -71,6 +71,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="> 0: an expert takes at most capacity-factor x (its fair share) of assignments; the rest are dropped",
     )
     model.add_argument("--aux-loss-weight", type=float, default=0.01, help="weight of the load-balancing loss")
+    model.add_argument(
+        "--balance",
+        choices=("aux", "bias", "none"),
+        default="aux",
+        help="balancing experts: the aux loss, DeepSeek-V3's loss-free routing bias, or neither",
+    )
+    model.add_argument(
+        "--bias-rate", type=float, default=1e-3, help="--balance bias: how far one step moves an expert's bias"
+    )
     opt = p.add_argument_group("optimization")
     opt.add_argument("--steps", type=int, default=600)
     opt.add_argument("--batch-size", type=int, default=64, help="global batch (sequences per step)")
@@ -101,7 +110,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--plot", action="store_true", help="also draw what each rank did in the last step (pipeline)")
     par = p.add_argument_group("parallelism (run under mpirun -n N)")
     par.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    par.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b")
+    par.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
+        default="1f1b",
+        help="pipeline schedule; zb-h1: 1F1B with each backward split into B (input) and W (weights)",
+    )
     par.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: 2 x --pp)")
     par.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved schedule)")
     par.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
@@ -238,6 +252,10 @@ def check_model_flags(args) -> None:
         raise ValueError(f"--experts must be 0 (a dense MLP) or positive, got {args.experts}")
     if args.experts and args.topk is not None and not 1 <= args.topk <= args.experts:
         raise ValueError(f"--topk {args.topk} must be between 1 and --experts {args.experts}")
+    if args.balance != "aux" and not args.experts:
+        raise ValueError(f"--balance {args.balance} balances experts: it needs --experts N")
+    if args.balance == "bias" and not args.bias_rate > 0:
+        raise ValueError(f"--bias-rate must be positive with --balance bias, got {args.bias_rate}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -332,6 +350,8 @@ def build_model(args, dataset) -> GPT:
         moe_top_k=args.topk if args.topk is not None else (min(2, args.experts) if args.experts else 2),
         moe_capacity_factor=args.capacity_factor,
         moe_aux_weight=args.aux_loss_weight,
+        moe_balance=args.balance,
+        moe_bias_rate=args.bias_rate,
     )
     model = GPT(config, seed=args.seed)
     model.dataset_meta = dataset.describe()

@@ -45,6 +45,7 @@ from tinytrain import random as _random
 from tinytrain.autograd import loss_scaling, no_grad
 from tinytrain.backend import device
 from tinytrain.data import AdditionDataset, dataset_change, load_dataset
+from tinytrain.nn.moe import load_routing_biases, routing_biases
 from tinytrain.optim import SGD, AdamW, LossScaler, WarmupCosine
 from tinytrain.trainer.args import (
     add_arguments,
@@ -278,6 +279,7 @@ def save(runner, ckpt: Path, step: int, optimizer, metrics: dict, args, model, s
         "args": _plain_args(args),
         "model_config": model.config.to_dict(),
         "metrics_steps": metrics["steps"],
+        "routing_bias": routing_biases(model),  # --balance bias: state the next steps' routing needs
     }
     if getattr(model, "dataset_meta", None):  # its vocabulary: `tinytrain sample` needs no text
         meta["dataset"] = model.dataset_meta
@@ -481,6 +483,7 @@ def resume(ckpt: Path, runner, model, optimizer, schedule, args, scaler=None) ->
     runner.load(reader, optimizer)
     if scaler is not None and "loss_scaler" in meta:
         scaler.load_state_dict(meta["loss_scaler"])
+    load_routing_biases(model, meta.get("routing_bias", {}))
     step = meta["step"]
     schedule.last_step = step
     optimizer.lr = schedule.lr_at(step + 1)
@@ -498,6 +501,8 @@ CURVE_FLAGS = {
     "dropout": "the dropout masks follow it",
     "capacity_factor": "which tokens the experts drop follows it",
     "aux_loss_weight": "the loss follows it",
+    "balance": "the routing follows it",
+    "bias_rate": "the routing follows it",
 }
 
 

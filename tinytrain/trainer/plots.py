@@ -29,8 +29,9 @@ def plot_last_pipeline_step(spans, plan, args, out: Path) -> None:
     measured = pipeline_events(in_last)
 
     p, m, v = plan.pp, plan.n_microbatches, plan.chunks
-    simulated = simulate(make_schedule(plan.schedule, p, m, v), chunks=v).rows()
-    formula = bubble_formula(p, m, v)
+    timeline = simulate(make_schedule(plan.schedule, p, m, v), chunks=v)
+    simulated = timeline.rows()
+    formula = bubble_formula(p, m, v, schedule=plan.schedule)
     panels = [(f"simulated {args.schedule}", simulated), (f"measured {args.schedule}, step {args.steps}", measured)]
     atomic_write(
         out / "pipeline.png",
@@ -45,8 +46,9 @@ def plot_last_pipeline_step(spans, plan, args, out: Path) -> None:
         out / "activation_memory.png", lambda f: plot_activation_memory(dict(sorted(memory.items())), f, title=title)
     )
     print(
-        f"pipeline: measured bubble share {bubble_share(measured):.1%}, formula (p-1)/(v·m+p-1) = {formula:.1%}; "
-        f"wrote {out}/pipeline.png and activation_memory.png",
+        f"pipeline ({plan.schedule}): measured bubble share {bubble_share(measured):.1%}, simulated "
+        f"{timeline.bubble_share:.1%}, formula {formula:.1%}; peak activation bytes per stage "
+        f"{[max(b for _, b in memory[k]) for k in sorted(memory)]}; wrote {out}/pipeline.png and activation_memory.png",
         file=sys.stderr,
     )
 

@@ -18,6 +18,7 @@ from tinytrain.checkpoint import Placement
 from tinytrain.nn.moe import moe_step_stats
 from tinytrain.nn.recompute import apply_recompute
 from tinytrain.optim import clip_grad_norm_, grads_finite
+from tinytrain.parallel.expert_parallel import balance_experts
 
 
 @runtime_checkable
@@ -77,6 +78,7 @@ class SerialRunner:
 
     def step(self, optimizer) -> None:
         optimizer.step()
+        balance_experts(self.model)  # --balance bias: each expert's routing bias against its load
 
     def found_inf(self) -> bool:
         return not grads_finite(p.grad for p in self.parameters())

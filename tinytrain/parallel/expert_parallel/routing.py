@@ -13,6 +13,10 @@ integers per rank: the +1 is the rank's token count) gives every rank all it nee
     capacity         queue place of my choice-s assignment to e = Σ_{s' < s} all ranks' choice-s'
                      assignments to e + the lower ranks' choice-s assignments to e + my earlier
                      tokens': the serial GShard order of the whole batch, so the same tokens drop
+    loss-free        (--balance bias, DeepSeek-V3) after each step, on every rank alike:
+      balancing      b_e += γ · sign(mean_e' load_e' − load_e), load = the whole batch's chosen
+                     counts (the gathered ones): every rank holds the same bias, the top-k choice
+                     ranks probs + b, the combine weights stay probs
 
 The routing rules themselves (top-k, combine weights, queue positions, the loss formula) are
 ``tinytrain.nn.moe``'s: one implementation, used by the serial layer and by this chapter.
@@ -44,10 +48,10 @@ def gate(moe, tokens, ep_group, dp_group=None):
     data group is the serial value and gradient; ``gathered`` holds every rank's counts per
     (choice, expert) and, in the last column, its token count."""
     E, k = moe.n_experts, moe.top_k
-    # BEGIN SOLUTION 6.1 "Route this rank's rows with the serial layer's rules, and compute its share of the whole batch's balancing loss from the per-choice tallies and row counts of all ranks that share the batch, pooled in one small exchange." full="logits = moe.gate(tokens), probs = F.softmax; experts = nn.moe's top_k of the host probs; weights = moe.combine_weights. Counts per (choice, expert) plus my token count in column E, gather_over the data group; the global chosen counts and token count go into moe.router_loss(..., scale=D)."
+    # BEGIN SOLUTION 6.1 "Route this rank's rows with the serial layer's rules, and compute its share of the whole batch's balancing loss from the per-choice tallies and row counts of all ranks that share the batch, pooled in one small exchange." full="logits = moe.gate(tokens), probs = F.softmax; experts = nn.moe's top_k of moe.selection_scores(host probs); weights = moe.combine_weights. Counts per (choice, expert) plus my token count in column E, gather_over the data group; the global chosen counts and token count go into moe.router_loss(..., scale=D)."
     logits = moe.gate(tokens)
     probs = F.softmax(logits, axis=-1)
-    experts = top_k(to_host(probs.data), k)
+    experts = top_k(moe.selection_scores(to_host(probs.data)), k)
     weights = moe.combine_weights(probs, experts)
     mine = numpy.zeros((k, E + 1), dtype=numpy.int64)
     mine[:, :E] = slot_counts(experts, E)
@@ -90,3 +94,22 @@ def global_load(moe, gathered):
     kept = chosen if capacity is None else numpy.minimum(chosen, capacity)
     n_total = int(gathered[:, 0, E].sum())
     return chosen, kept, 1.0 - kept.sum() / max(n_total * moe.top_k, 1)
+
+
+def update_bias(moe, load) -> None:
+    """Loss-free balancing, after a step: move each expert's routing bias by the rate, up when its
+    load (assignments that chose it, whole batch) is below the mean, down when above."""
+    # BEGIN SOLUTION 6.5 "Nudge every expert's bias by a fixed step against its load: an expert busier than the average becomes less attractive, a quieter one more, one exactly at the average stays." full="moe.route_bias += moe.bias_rate * numpy.sign(load.mean() - load)"
+    load = numpy.asarray(load, dtype=numpy.float64)
+    moe.route_bias += moe.bias_rate * numpy.sign(load.mean() - load)
+    # END SOLUTION
+
+
+def balance_experts(model) -> None:
+    """After each optimizer step: ``update_bias`` of every MoE layer under balance "bias", from its
+    last training forward's whole-batch load (``moe.stats``: the gathered counts under EP × DP)."""
+    from tinytrain.nn.moe import MoE
+
+    for moe in model.modules():
+        if isinstance(moe, MoE) and moe.balance == "bias" and moe.stats is not None:
+            update_bias(moe, moe.stats["load"])
