@@ -48,6 +48,7 @@ def serial_metrics(tmp_path, extra=(), key="addition") -> dict:
 def assert_on_serial_curve(out, tmp_path, extra=(), key="addition") -> None:
     """Loss, clipped gradient norm per step and the final evaluation equal the serial run's."""
     got, want = metrics(out), serial_metrics(tmp_path, extra, key)
+    assert got["config"]["parameters"] == want["config"]["parameters"]  # the whole model's, not this rank's part
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(
             [s[key] for s in got["steps"]], [s[key] for s in want["steps"]], rtol=2e-5, atol=1e-6, err_msg=key

@@ -151,6 +151,7 @@ def _train(args, out: Path) -> int:
     dataset = load_dataset(args.data, args.block_size, args.digits)
     use_implementation(args.impl)  # before the model and the schedules are built
     model = build_model(args, dataset)
+    parameters = model.num_parameters()  # the whole model's: a layout keeps only this rank's part
     runner = make_runner(model, plan_of(args), args.batch_size)
     optimizer, schedule = build_optimizer(args, runner.parameters())
     scaler = LossScaler() if args.precision == "fp16" else None  # bf16 has fp32's range: no scaling
@@ -161,7 +162,7 @@ def _train(args, out: Path) -> int:
             "args": _plain_args(args),
             "model": model.config.to_dict(),
             "device": device,
-            "parameters": model.num_parameters(),
+            "parameters": parameters,
         },
         "steps": [],
     }
@@ -175,7 +176,7 @@ def _train(args, out: Path) -> int:
     if not quiet and start_step < args.steps:
         steps = f"steps {start_step + 1}..{args.steps}" if start_step else f"{args.steps} steps"
         print(
-            f"tinytrain: GPT with {model.num_parameters():,} parameters on {device}, data={dataset.name}, "
+            f"tinytrain: GPT with {parameters:,} parameters on {device}, data={dataset.name}, "
             f"batch {args.batch_size} x {dataset.block_size} tokens, {steps}" + (f"; {ranks}" if ranks else ""),
             file=sys.stderr,
         )
