@@ -46,6 +46,15 @@ def test_a_low_precision_run_stays_near_the_fp32_curve(tmp_path, precision):
     assert ("loss_scale" in m["steps"][0]) == (precision == "fp16")
 
 
+@pytest.mark.skipif(device == "cpu", reason="a device's refusal (TINYTRAIN_DEVICE=gpu or strict): NumPy has bfloat16")
+def test_bf16_on_a_device_is_refused_with_what_to_use_instead(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *TINY, "--steps", "3", "--precision", "bf16", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "CuPy has no bfloat16" in err and "use --precision fp16" in err, err
+
+
 def test_fp16_logs_its_scale_and_the_steps_an_overflow_skipped(tmp_path, monkeypatch):
     """Starting from 2^40 every gradient overflows float16: each step is skipped and halves the
     scale until the gradients fit; the skipped steps leave the weights alone."""

@@ -78,7 +78,7 @@ class PipelineStep:
         self.outputs: dict = {}  # (mb, chunk) -> output Tensor, or the loss on the last virtual stage
         self.pending = []  # isend handles; their buffers must live until they complete
         self.split = any(a.kind == "W" for a in actions)  # B is the input's gradient only, W the rest
-        self.weight_work: dict = {}  # (mb, chunk) -> the W that B left (autograd.WeightGradients)
+        self.weight_work: dict = {}  # what each split B left for its W, until the W runs
         self.loss = 0.0
         self.memory = []  # (time in us, bytes saved for backward) after each action
 
