@@ -35,18 +35,24 @@ def positive_int(name: str, default: int, what: str = "") -> int:
     return int(value)
 
 
-def positive_seconds(name: str, default: float) -> float:
-    """``name`` as a positive, finite number of seconds, ``default`` when unset or empty."""
+def positive_number(name: str, default: float, what: str = "") -> float:
+    """``name`` as a positive, finite number, ``default`` when unset or empty; ``what`` follows
+    "a positive number" in the error ("(GB/s)", "of seconds such as 2")."""
     value = os.environ.get(name, "").strip()
     if value == "":
         return default
     try:
-        seconds = float(value)
+        number = float(value)
     except ValueError:
-        seconds = float("nan")
-    if not 0 < seconds < float("inf"):
+        number = float("nan")
+    if not 0 < number < float("inf"):
         raise ValueError(
-            f"{name}={value!r} is not a setting it takes: a positive number of seconds such as {default:g}, "
+            f"{name}={value!r} is not a setting it takes: a positive number{f' {what}' if what else ''}, "
             "or leave it unset"
         )
-    return seconds
+    return number
+
+
+def positive_seconds(name: str, default: float) -> float:
+    """``name`` as a positive, finite number of seconds, ``default`` when unset or empty."""
+    return positive_number(name, default, f"of seconds such as {default:g}")

@@ -44,6 +44,8 @@ import os
 import re
 import time
 
+from tinytrain.env import positive_number
+
 from ._mpi import MPI
 
 DEFAULT_INTER_GBPS = 1.0
@@ -131,19 +133,6 @@ def install(topology: Topology | None) -> Topology | None:
     return previous
 
 
-def _number(name: str, default: float, what: str) -> float:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{name}={text!r} is not a setting it takes: a positive number ({what}), or leave it unset")
-    return value
-
-
 def from_env() -> Topology | None:
     """The topology the environment asks for (see the module docstring), or None."""
     text = os.environ.get("TINYTRAIN_TOPOLOGY", "").strip()
@@ -161,7 +150,7 @@ def from_env() -> Topology | None:
     return Topology(
         int(match[1]),
         int(match[2]),
-        _number("TINYTRAIN_INTER_GBPS", DEFAULT_INTER_GBPS, "GB/s") * 1e9,
-        _number("TINYTRAIN_INTER_LATENCY_US", DEFAULT_INTER_LATENCY_US, "microseconds") * 1e-6,
+        positive_number("TINYTRAIN_INTER_GBPS", DEFAULT_INTER_GBPS, "(GB/s)") * 1e9,
+        positive_number("TINYTRAIN_INTER_LATENCY_US", DEFAULT_INTER_LATENCY_US, "(microseconds)") * 1e-6,
         placement,
     )
