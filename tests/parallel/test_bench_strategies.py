@@ -92,7 +92,12 @@ def assert_the_planner_is_the_measured_peak(rows, precision: str) -> None:
         planned = bench.planned_memory(r["strategy"], config, 8, precision)["total"]
         measured = max(r["peak_bytes"])
         assert r["planned_bytes"] == int(planned)
-        assert 0 <= 1 - planned / measured < PLANNER_BELOW, (
+        # ZeRO-3 also holds the copies its async reduce-scatters take of a unit's full gradients
+        # until they complete: how many are in flight depends on scheduling (0.3% above the plan on a
+        # quiet machine, 13% once in CI under load), at most the gradients of the largest unit, as
+        # many bytes as it gathers.
+        in_flight = max(r["gathered_bytes"]) if r["strategy"] == "zero3" else 0
+        assert 0 <= 1 - planned / measured < PLANNER_BELOW or 0 <= measured - planned <= in_flight, (
             f"{r['strategy']} ({precision}): planned {planned:.0f}, measured {measured}"
         )
 
