@@ -6,8 +6,25 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinytrain.parallel.pipeline import gpipe, interleaved_1f1b, make_schedule, one_f_one_b, split_layers, zb_h1
-from tinytrain.parallel.simulator import Action, ScheduleError, bubble_formula, simulate, validate
+from tinytrain.parallel.pipeline import (
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
+    placement_of,
+    split_layers,
+    zb_h1,
+    zb_v,
+)
+from tinytrain.parallel.simulator import (
+    Action,
+    ScheduleError,
+    bubble_formula,
+    simulate,
+    stage_of,
+    validate,
+    virtual_stage,
+)
 
 rng = np.random.default_rng()
 # Shapes become test ids, which must be the same on every rank of `mpirun -n 4 pytest` (the
@@ -67,6 +84,51 @@ def test_zb_h1_with_fewer_microbatches_than_stages_still_beats_1f1b(p, m):
     assert t.bubble_share <= simulate(one_f_one_b(p, m), 1.0, 2.0).bubble_share + 1e-12
 
 
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 4), (2, 7), (3, 6), (4, 8), (4, 16), (5, 11), (8, 16), (8, 21)])
+def test_zb_v_with_unit_costs_has_its_formula_from_two_p_microbatches(p, m):
+    # each chunk's F, B and W cost half of a stage's: 1/2 each; a stage's work is 6m halves
+    t = simulate(zb_v(p, m), forward_cost=1.0, backward_cost=2.0, weight_cost=1.0, chunks=2, placement="v")
+    idle_per_stage = (p - 1) * 0.5  # the first micro-batch's way down: p-1 chunk forwards, no work yet
+    assert t.makespan == pytest.approx(3 * m + idle_per_stage)
+    assert t.bubble_share == pytest.approx(idle_per_stage / (3 * m + idle_per_stage), abs=1e-12)
+    assert bubble_formula(p, m, schedule="zb-v") == pytest.approx(t.bubble_share, abs=1e-12)
+    # 2p chunks' activations: p micro-batches of a whole stage, 1F1B's peak, on every stage
+    assert t.peak_activations == [2 * p] * p
+    if p > 1:  # half of ZB-H1's idle time
+        h1 = simulate(zb_h1(p, m), 1.0, 2.0, weight_cost=1.0)
+        assert t.makespan - 3 * m == pytest.approx(0.5 * (h1.makespan - 3 * m))
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (3, 2), (4, 1), (4, 4), (4, 7), (6, 6), (8, 9)])
+def test_zb_v_with_fewer_than_two_p_microbatches_runs_and_beats_zb_h1(p, m):
+    t = simulate(zb_v(p, m), 1.0, 2.0, weight_cost=1.0, chunks=2, placement="v")
+    assert t.bubble_share >= bubble_formula(p, m, schedule="zb-v") - 1e-12  # the formula is a floor
+    assert t.bubble_share <= simulate(zb_h1(p, m), 1.0, 2.0, weight_cost=1.0).bubble_share + 1e-12
+    assert max(t.peak_activations) <= 2 * p
+
+
+@pytest.mark.parametrize("p,m", [(3, 6), (4, 5)])
+def test_zb_v_cannot_run_on_the_loop_placement(p, m):
+    # on interleaved's placement chunk 1 of stage s is part p + s: ZB-V's order waits for passes
+    # that come after it (a deadlock), which is how the simulator tells a schedule from its placement
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        simulate(zb_v(p, m), chunks=2, placement="loop")
+
+
+def test_placements_name_every_part_once():
+    for p in range(1, 7):
+        for placement, chunks in (("loop", 1), ("loop", 3), ("v", 2)):
+            parts = [virtual_stage(s, c, p, placement) for s in range(p) for c in range(chunks)]
+            assert sorted(parts) == list(range(p * chunks))
+            assert all(
+                stage_of(virtual_stage(s, c, p, placement), p, placement) == s for s in range(p) for c in range(chunks)
+            )
+    assert [virtual_stage(s, 1, 4, "v") for s in range(4)] == [7, 6, 5, 4]  # back up the stages
+    assert placement_of("zb-v") == "v" and placement_of("interleaved") == "loop"
+    with pytest.raises(ValueError, match="'v' \\(2 chunks\\)"):
+        simulate(zb_v(2, 4), chunks=3, placement="v")
+
+
 def test_split_schedules_are_checked():
     with pytest.raises(ScheduleError, match="stage 0 runs W0 before B0"):
         validate([[Action("F", 0), Action("W", 0), Action("B", 0)]])
@@ -82,6 +144,7 @@ def test_every_pass_runs_once_and_in_order():
         (one_f_one_b(3, 4), 1, 2),
         (interleaved_1f1b(3, 6, 2), 2, 2),
         (zb_h1(3, 4), 1, 3),
+        (zb_v(3, 6), 2, 3),
     ]:
         validate(sched, chunks)
         for actions in sched:
@@ -110,6 +173,9 @@ def test_bad_schedule_requests_are_clear_errors():
         make_schedule("1f1b", 2, 4, chunks=2)
     with pytest.raises(ValueError, match="unknown schedule"):
         make_schedule("zigzag", 2, 4)
+    with pytest.raises(ValueError, match="zb-v runs two chunks per stage in a V; drop --chunks 3"):
+        make_schedule("zb-v", 2, 4, chunks=3)
+    assert make_schedule("zb-v", 2, 4, chunks=2) == make_schedule("zb-v", 2, 4) == zb_v(2, 4)
     with pytest.raises(ValueError, match="one would be empty"):
         split_layers(3, 2, 2)
 

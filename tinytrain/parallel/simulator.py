@@ -2,8 +2,9 @@
 
 A schedule is ``list[list[Action]]``, one ordered list per stage (see ``pipeline/schedules.py``
 for the schedules themselves and the pictures). Which messages an action implies follows from the model
-order: chunk c of stage s is *virtual stage* ``c·p + s``; the forward of virtual stage k receives
-from k-1 and sends to k+1, the backward the reverse.
+order: chunk c of stage s is *virtual stage* ``c·p + s`` (the ``loop`` placement; ZB-V's ``v``
+placement puts chunk 1 of stage s at 2p-1-s: ``virtual_stage``); the forward of virtual stage k
+receives from k-1 and sends to k+1, the backward the reverse (no message when both are on one stage).
 
 ``simulate`` plays a schedule with given costs, finds deadlocks and backward-before-forward
 mistakes, and measures the bubble share and the activations each stage holds, so a schedule can
@@ -52,13 +53,29 @@ class Timeline:
         return sum(e - s for st, _, s, e in self.events if st == stage)
 
 
-def _virtual(stage: int, action: Action, stages: int) -> int:
-    return action.chunk * stages + stage
+PLACEMENTS = ("loop", "v")
 
 
-def _dependency(stage, action, stages, n_virtual):
+def virtual_stage(stage: int, chunk: int, stages: int, placement: str = "loop") -> int:
+    """Which model part chunk ``chunk`` of ``stage`` is. ``loop`` (interleaved 1F1B): chunk c of
+    stage s is part c·p + s, the model goes round the stages v times. ``v`` (ZB-V, two chunks):
+    chunk 0 of stage s is part s and chunk 1 part 2p-1-s, the model goes down the stages and back up,
+    so stage 0 holds the first and the last part."""
+    if placement == "v":
+        return stage if chunk == 0 else 2 * stages - 1 - stage
+    return chunk * stages + stage
+
+
+def stage_of(virtual: int, stages: int, placement: str = "loop") -> int:
+    """The stage holding model part ``virtual`` (the inverse of ``virtual_stage``)."""
+    if placement == "v" and virtual >= stages:
+        return 2 * stages - 1 - virtual
+    return virtual % stages
+
+
+def _dependency(stage, action, stages, n_virtual, placement):
     """The pass (virtual stage, kind, micro-batch) that must finish first, or None."""
-    k = _virtual(stage, action, stages)
+    k = virtual_stage(stage, action.chunk, stages, placement)
     if action.kind == "W":  # its own B, earlier in the same stage's list (validate checks)
         return None
     if action.kind == "F":
@@ -102,16 +119,19 @@ def simulate(
     comm_cost: float = 0.0,
     chunks: int = 1,
     weight_cost: float | None = None,
+    placement: str = "loop",
 ) -> Timeline:
     """Play ``schedule`` with per-pass costs (a chunk's pass costs 1/chunks of a stage's).
     ``backward_cost`` is a whole backward's; split into B and W, ``weight_cost`` of it is W's
-    (default half).
+    (default half). ``placement`` says which model part each chunk is (``virtual_stage``).
 
     Each stage runs its actions in order, each as soon as the stage is free and the pass it
     depends on has finished (plus ``comm_cost`` when that pass ran on another stage). Sends never
     block (as with ``isend``), so a schedule deadlocks only if its waits form a cycle.
     """
     validate(schedule, chunks)
+    if placement not in PLACEMENTS or (placement == "v" and chunks != 2):
+        raise ValueError(f"placement is 'loop' (any chunks) or 'v' (2 chunks), got {placement!r} with {chunks} chunks")
     stages = len(schedule)
     n_virtual = stages * chunks
     w = backward_cost / 2 if weight_cost is None else weight_cost
@@ -131,13 +151,14 @@ def simulate(
         for s in range(stages):
             while position[s] < len(schedule[s]):
                 a = schedule[s][position[s]]
-                dep = _dependency(s, a, stages, n_virtual)
+                dep = _dependency(s, a, stages, n_virtual, placement)
                 if dep is not None and dep not in done:
                     break
-                ready = 0.0 if dep is None else done[dep] + (comm_cost if dep[0] % stages != s else 0.0)
+                remote = dep is not None and stage_of(dep[0], stages, placement) != s
+                ready = 0.0 if dep is None else done[dep] + (comm_cost if remote else 0.0)
                 start = max(free_at[s], ready)
                 end = start + cost[s][a.kind]
-                done[(_virtual(s, a, stages), a.kind, a.microbatch)] = end
+                done[(virtual_stage(s, a.chunk, stages, placement), a.kind, a.microbatch)] = end
                 free_at[s] = end
                 events.append((s, a, start, end))
                 held[s] += 1 if a.kind == "F" else -1 if a.kind == ("W" if split[s] else "B") else 0
@@ -146,11 +167,11 @@ def simulate(
                 remaining -= 1
                 progressed = True
         if not progressed:
+            stuck = [(s, schedule[s][position[s]]) for s in range(stages) if position[s] < len(schedule[s])]
             waiting = [
-                f"stage {s} at {schedule[s][position[s]]} waits for "
-                f"{_describe(_dependency(s, schedule[s][position[s]], stages, n_virtual), stages)}"
-                for s in range(stages)
-                if position[s] < len(schedule[s])
+                f"stage {s} at {a} waits for "
+                f"{_describe(_dependency(s, a, stages, n_virtual, placement), stages, placement)}"
+                for s, a in stuck
             ]
             raise ScheduleError("the schedule deadlocks: " + "; ".join(waiting))
     makespan = max(free_at)
@@ -158,15 +179,17 @@ def simulate(
     return Timeline(stages, chunks, events, makespan, 1.0 - busy / (stages * makespan), peak)
 
 
-def _describe(dep, stages):
+def _describe(dep, stages, placement):
     k, kind, mb = dep
-    return f"{kind}{mb} of virtual stage {k} (stage {k % stages}, chunk {k // stages})"
+    return f"{kind}{mb} of virtual stage {k} (stage {stage_of(k, stages, placement)}, chunk {k // stages})"
 
 
 def bubble_formula(stages: int, microbatches: int, chunks: int = 1, schedule: str = "1f1b") -> float:
     """The textbook bubble share for free messages: (p-1)/(v·m + p-1) for GPipe, 1F1B and
-    interleaved (any ratio of forward to backward cost); ZB-H1's (p-1)/(3m + p-1) with F = B = W
-    (each a third of a forward plus backward) and m >= p."""
+    interleaved (any ratio of forward to backward cost); with F = B = W (each a third of a forward
+    plus backward) ZB-H1's (p-1)/(3m + p-1) for m >= p and ZB-V's (p-1)/(6m + p-1) for m >= 2p."""
     if schedule == "zb-h1":
         return (stages - 1) / (3 * microbatches + stages - 1)
+    if schedule == "zb-v":
+        return (stages - 1) / (6 * microbatches + stages - 1)
     return (stages - 1) / (chunks * microbatches + stages - 1)
