@@ -52,6 +52,27 @@ A stage idles (p-1)(F + B - W) instead of 1F1B's (p-1)(F + B + W): with F = B = 
 share is (p-1)/(3m + p-1) for m >= p, against 1F1B's 3(p-1)/(3m + 3(p-1)) = (p-1)/(m+p-1), about
 a third. A micro-batch's activations stay until its W, so stage s holds up to p of them (1F1B's
 stage 0 holds p too): the same peak memory as 1F1B, spread over every stage.
+
+ZB-V gives each stage two chunks placed in a V: chunk 0 of stage s is model part s, chunk 1 is part
+2p-1-s, so a micro-batch goes down the stages and comes back up, and stage 0 holds both the first
+part (the embedding) and the last (the loss). Each chunk's pass is half a stage's. At the bottom of
+the V (stage p-1 holds parts p-1 and p) the activation turns round on the same rank: no message.
+Warm-up, stage s: chunk-0 forwards until micro-batch 0 comes back up (2(p-s)-1 of them), then s
+pairs of chunk-1 and chunk-0 forwards, then micro-batches reach the loss and turn back; steady
+state F B W on chunk 0, then on chunk 1; cool-down: the backwards, with each W held back s
+backwards to fill the wait for the next one (ZB-H1's idea again).
+
+    ZB-V, p=3, m=6, F = B = W per chunk (capitals: chunk 0; f b w: chunk 1)
+
+    s0 F0 F1 F2 F3 F4 f0 b0 w0 f1 b1 w1 f2 b2 w2 F5 B0 W0 f3 b3 w3 B1 W1 f4 b4 w4 B2 W2 f5 b5 w5 B3 W3 ·  B4 W4 ·  B5 W5
+    s1 ·  F0 F1 F2 f0 F3 f1 b0 w0 f2 b1 w1 F4 B0 W0 f3 b2 w2 F5 B1 W1 f4 b3 w3 B2 W2 f5 b4 w4 B3 b5 W3 B4 w5 ·  B5 W4 W5
+    s2 ·  ·  F0 f0 F1 f1 F2 f2 b0 w0 F3 B0 W0 f3 b1 w1 F4 B1 W1 f4 b2 w2 F5 B2 W2 f5 b3 w3 B3 b4 B4 W3 b5 w4 B5 W4 w5 W5
+
+A stage's work is 6m chunk passes; the only idle time left is the first forward's way down (stage
+s waits s passes at the start and p-1-s at the end): with F = B = W the bubble share is
+(p-1)/(6m + p-1) for m >= 2p (the simulator finds fewer micro-batches a little above it), half of
+ZB-H1's idle time. Every stage holds up to 2p chunks' activations, p micro-batches' worth: 1F1B's
+peak, on every stage. The price is messages: 2p-2 boundaries crossed each way instead of p-1.
 """
 
 from __future__ import annotations
@@ -99,14 +120,63 @@ def zb_h1(stages: int, microbatches: int) -> list[list[Action]]:
     raise NotImplementedError("TODO 5.6: Keep 1F1B's order of forwards and backwards; each backward becomes the input-gradient pass alone, and stage s runs each weight pass a fixed number of backwards later, as many as stages before it, finishing the rest at the end.")
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb-h1": zb_h1}
+def zb_v(stages: int, microbatches: int) -> list[list[Action]]:
+    """Zero bubble in a V: chunk 0 of stage s is model part s, chunk 1 part 2p-1-s; backwards split
+    into B and W. Simulate and run it with ``placement="v"`` (``placement_of("zb-v")``)."""
+    _check(stages, microbatches)
+    schedule = []
+    for s in range(stages):
+        actions, done = [], {}  # done[(kind, chunk)]: how many micro-batches that pass has had
+
+        def run(*passes) -> None:  # the next micro-batch of each pass, in order (none once all m ran)
+            for kind, chunk in passes:
+                i = done.get((kind, chunk), 0)
+                if i < microbatches:
+                    actions.append(Action(kind, i, chunk))
+                    done[(kind, chunk)] = i + 1
+
+        def left(kind, chunk) -> bool:
+            return done.get((kind, chunk), 0) < microbatches
+
+        for _ in range(2 * (stages - s) - 1):  # chunk 0 only, until micro-batch 0 comes back up
+            run(("F", 0))
+        for _ in range(s):
+            run(("F", 1), ("F", 0))
+        for _ in range(stages - s):  # the first micro-batches reach the loss and turn back
+            run(("F", 1), ("B", 1), ("W", 1))
+        while left("F", 1):  # steady state: one micro-batch of each pass on both chunks
+            run(("F", 0), ("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))
+        held = []  # cool-down: each W waits s backwards, filling the wait for the next B
+        while left("B", 0) or left("B", 1):
+            for chunk in (0, 1):
+                if left("B", chunk):
+                    run(("B", chunk))
+                    held.append(chunk)
+                    if len(held) > s:
+                        run(("W", held.pop(0)))
+        run(*[("W", chunk) for chunk in held])
+        schedule.append(actions)
+    return schedule
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb-h1": zb_h1, "zb-v": zb_v}
+
+
+def placement_of(name: str) -> str:
+    """Where a schedule's chunks sit (``simulator.virtual_stage``): ``v`` for ZB-V, else ``loop``."""
+    return "v" if name == "zb-v" else "loop"
 
 
 def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:
+    """Schedule ``name``; ``chunks`` per stage is interleaved's choice, and ZB-V's two (1 means 2 there)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if name == "interleaved":
         return interleaved_1f1b(stages, microbatches, chunks)
+    if name == "zb-v":
+        if chunks not in (1, 2):
+            raise ValueError(f"--schedule zb-v runs two chunks per stage in a V; drop --chunks {chunks}")
+        return zb_v(stages, microbatches)
     if chunks != 1:
         raise ValueError(f"--chunks {chunks} needs --schedule interleaved ({name} runs one chunk per stage)")
     return SCHEDULES[name](stages, microbatches)

@@ -6,7 +6,8 @@
 
 Every rank builds the whole model from the same seed and keeps references to its part only. The
 transformer blocks are cut into ``p·v`` contiguous runs (*virtual stages*, as even as possible);
-rank s holds chunks s, s+p, s+2p, ... (v chunks). With 4 ranks, 8 blocks and one chunk each:
+rank s holds chunks s, s+p, s+2p, ... (v chunks; ZB-V's V holds s and 2p-1-s, so rank 0 holds both
+ends of the model). With 4 ranks, 8 blocks and one chunk each:
 
               rank 0              rank 1         rank 2         rank 3
     tokens ─► embed, blocks 0-1 ─► blocks 2-3 ─► blocks 4-5 ─► blocks 6-7, head, loss
@@ -30,6 +31,7 @@ from tinytrain import distributed as dist
 from tinytrain.autograd import Tensor
 from tinytrain.backend import xp
 from assignments.a5_pipeline.messages import TIED_TAG
+from tinytrain.parallel.simulator import stage_of, virtual_stage
 
 
 def split_layers(n_layer: int, stages: int, chunks: int = 1) -> list[range]:
@@ -74,8 +76,17 @@ class PipelineStage:
     gradients are summed between those stages after backward.
     """
 
-    def __init__(self, model: StageModel, stages: int, chunks: int = 1, rank: int | None = None, group=None):
+    def __init__(
+        self,
+        model: StageModel,
+        stages: int,
+        chunks: int = 1,
+        rank: int | None = None,
+        group=None,
+        placement: str = "loop",
+    ):
         self.model, self.stages, self.chunks, self.group = model, stages, chunks, group
+        self.placement = placement  # which part each chunk is: simulator.virtual_stage (ZB-V: "v")
         self.rank = dist.get_rank(group) if rank is None else rank
         if dist.get_world_size(group) != stages:
             raise ValueError(
@@ -83,11 +94,13 @@ class PipelineStage:
             )
         self.n_virtual = stages * chunks
         layers = split_layers(len(model.blocks), stages, chunks)
-        self.blocks = {c: [model.blocks[i] for i in layers[c * stages + self.rank]] for c in range(chunks)}
-        self.is_first = self.rank == 0  # holds virtual stage 0
-        self.is_last = self.rank == stages - 1  # holds virtual stage n_virtual - 1
+        self.blocks = {c: [model.blocks[i] for i in layers[self.virtual(c)]] for c in range(chunks)}
+        self.is_first = self.peer(0) == self.rank  # holds virtual stage 0
+        self.is_last = self.peer(self.n_virtual - 1) == self.rank  # holds virtual stage n_virtual - 1
         first_ids = {id(p) for p in model.first_parameters()}
-        self.tied = [p for p in model.last_parameters() if id(p) in first_ids] if stages > 1 else []
+        # (in a V, stage 0 holds both ends: the tied weight's two uses add into one .grad there)
+        split = stages > 1 and not (self.is_first and self.is_last)
+        self.tied = [p for p in model.last_parameters() if id(p) in first_ids] if split else []
 
     def parameters(self):
         """This rank's parameters, each once."""
@@ -101,10 +114,12 @@ class PipelineStage:
         return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
 
     def virtual(self, chunk: int) -> int:
-        return chunk * self.stages + self.rank
+        """Which model part (virtual stage) this rank's chunk ``chunk`` is."""
+        return virtual_stage(self.rank, chunk, self.stages, self.placement)
 
-    def peer(self, virtual_stage: int) -> int:
-        return virtual_stage % self.stages
+    def peer(self, virtual: int) -> int:
+        """The rank of the pipeline group holding virtual stage ``virtual``."""
+        return stage_of(virtual, self.stages, self.placement)
 
     def loss(self, x, targets, n_targets):
         """The last virtual stage: summed loss of the last block's output / n_targets."""
@@ -119,7 +134,7 @@ class PipelineStage:
         """Sum the two halves of a tied parameter's gradient (first stage: lookup; last: head)."""
         if not self.tied or not (self.is_first or self.is_last):
             return
-        other = self.stages - 1 if self.is_first else 0
+        other = self.peer(self.n_virtual - 1) if self.is_first else self.peer(0)
         for w in self.tied:
             mine = w.grad if w.grad is not None else xp.zeros_like(w.data)
             theirs = xp.empty_like(mine)

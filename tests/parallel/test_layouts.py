@@ -89,10 +89,20 @@ def run_layout(tmp_path, layout: str, extra=(), key="addition") -> None:
         "--pp 2 --dp 2 --zero 3",
         "--pp 2 --dp 2 --zero 3 --schedule interleaved --chunks 2 --microbatches 4",
         "--pp 2 --dp 2 --zero 3 --schedule zb-h1",  # ZeRO-3's units are recomputed segments: whole in B
+        "--pp 2 --dp 2 --zero 1 --schedule zb-v",
+        "--pp 2 --tp 2 --sp --schedule zb-v",
+        "--pp 2 --dp 2 --zero 3 --schedule zb-v",
     ],
 )
 def test_four_rank_layouts_lie_on_the_serial_curve(tmp_path, layout):
     run_layout(tmp_path, layout)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("layout", ["--pp 4 --schedule zb-v", "--pp 4 --schedule interleaved --chunks 2"])
+def test_eight_parts_on_four_stages_lie_on_the_serial_curve(tmp_path, layout):
+    # 4 stages x 2 chunks need 8 blocks; ZB-V's stage 0 holds the embedding and the head (tied)
+    run_layout(tmp_path, layout, ["--layers", "8"], key="layers8")
 
 
 @pytest.mark.world_size(2)
@@ -233,6 +243,14 @@ def test_pipeline_plot_and_trace_leave_their_files(tmp_path):
         (["--pp", "2", "--microbatches", "3"], "does not split into 1 replicas x 3 micro-batches"),
         (["--pp", "2", "--chunks", "2"], "needs --schedule interleaved"),
         (["--pp", "2", "--layers", "1"], "one would be empty"),
+        (
+            ["--pp", "2", "--layers", "3", "--schedule", "zb-v"],
+            "zb-v puts two chunks of blocks on each of the 2 stages",
+        ),
+        (
+            ["--pp", "2", "--schedule", "zb-v", "--chunks", "3"],
+            "zb-v runs two chunks per stage in a V; drop --chunks 3",
+        ),
         (["--pp", "2", "--zero", "2"], "use --zero 1 with --pp"),
         (["--tp", "2", "--heads", "3", "--width", "33"], "number of attention heads = 3"),
         (["--sp"], "add --tp 2 or more"),

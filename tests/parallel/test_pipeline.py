@@ -10,7 +10,7 @@ from tinytrain import distributed as dist
 from tinytrain import functional as F
 from tinytrain.nn import GPT, GPTConfig
 from tinytrain.optim import AdamW
-from tinytrain.parallel.pipeline import PipelineStage, make_schedule, train_step
+from tinytrain.parallel.pipeline import PipelineStage, make_schedule, placement_of, train_step
 from tinytrain.testing import assert_close
 
 STEPS = 3
@@ -50,7 +50,7 @@ def serial_run(cfg, data, seed):
 def pipeline_run(cfg, data, seed, schedule, microbatches, chunks=1):
     p = dist.get_world_size()
     model = GPT(cfg, seed=seed)
-    stage = PipelineStage(model, p, chunks)
+    stage = PipelineStage(model, p, chunks, placement=placement_of(schedule))
     actions = make_schedule(schedule, p, microbatches, chunks)[stage.rank]
     opt = adam(stage.parameters())
     losses = []
@@ -88,27 +88,35 @@ def check_against_serial(schedule, microbatches, chunks, n_layer, tied):
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize(
     "schedule,microbatches,chunks,n_layer",
-    [("gpipe", 4, 1, 4), ("1f1b", 6, 1, 5), ("interleaved", 4, 2, 8), ("zb-h1", 6, 1, 5), ("zb-h1", 3, 1, 4)],
+    [
+        ("gpipe", 4, 1, 4),
+        ("1f1b", 6, 1, 5),
+        ("interleaved", 4, 2, 8),
+        ("zb-h1", 6, 1, 5),
+        ("zb-h1", 3, 1, 4),
+        ("zb-v", 8, 2, 8),  # stage 0 holds the embedding and the head: the tied weight on one rank
+        ("zb-v", 3, 2, 11),  # fewer micro-batches than stages; uneven parts
+    ],
 )
 def test_four_stages_match_serial(schedule, microbatches, chunks, n_layer):
     check_against_serial(schedule, microbatches, chunks, n_layer, tied=True)
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)])
 def test_two_stages_match_serial_untied(schedule, chunks):
     check_against_serial(schedule, 4, chunks, 4, tied=False)
 
 
 @pytest.mark.world_size(4)
-def test_1f1b_holds_fewer_activations_than_gpipe_and_zb_h1_no_more_than_1f1b_at_its_peak():
-    cfg = GPTConfig(vocab_size=11, block_size=6, n_layer=4, n_head=2, n_embd=16)
+def test_1f1b_holds_fewer_activations_than_gpipe_and_zero_bubble_no_more_than_1f1b_at_its_peak():
+    cfg = GPTConfig(vocab_size=11, block_size=6, n_layer=8, n_head=2, n_embd=16)
     ((x, y),) = batches(0, 1, 16, cfg)
     peaks = {}
-    for name in ("gpipe", "1f1b", "zb-h1"):
+    for name, chunks in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)):
         model = GPT(cfg, seed=0)
-        stage = PipelineStage(model, 4)
-        _, step = train_step(stage, make_schedule(name, 4, 8)[stage.rank], x, y, 8)
+        stage = PipelineStage(model, 4, chunks, placement=placement_of(name))
+        _, step = train_step(stage, make_schedule(name, 4, 8, chunks)[stage.rank], x, y, 8)
         peaks[name] = max(b for _, b in step.memory)
     every = {name: dist.world().comm.allgather(peak) for name, peak in peaks.items()}
     # stage 0 holds all 8 micro-batches under GPipe, at most 4 under 1F1B
@@ -117,6 +125,9 @@ def test_1f1b_holds_fewer_activations_than_gpipe_and_zb_h1_no_more_than_1f1b_at_
     # 1F1B, but no stage more than 1F1B's stage 0 (the last stage computes the loss: its own bytes)
     assert max(every["zb-h1"][:3]) <= every["1f1b"][0], every
     assert every["zb-h1"][3] > every["1f1b"][3], every
+    # ZB-V: every stage holds 2p half-stage chunks, 1F1B's stage-0 peak, within the embedding and
+    # loss activations stage 0 adds (a few percent at this size)
+    assert 0.95 * every["1f1b"][0] <= min(every["zb-v"]) <= max(every["zb-v"]) <= 1.05 * every["1f1b"][0], every
 
 
 @pytest.mark.world_size(2)
@@ -143,3 +154,35 @@ def test_zb_h1_gradients_equal_1f1b_bit_for_bit(tied):
         grads[name] = [p.grad for p in stage.parameters()]
     for i, (a, b) in enumerate(zip(grads["1f1b"], grads["zb-h1"])):
         assert np.array_equal(a, b), f"rank {dist.get_rank()}: gradient {i} differs from 1F1B's"
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("tied", [True, False])
+def test_zb_v_gradients_equal_1f1b_and_its_messages_are_twice_as_many(tied):
+    """ZB-V adds each parameter's micro-batch gradients in 1F1B's order, so every gradient equals
+    1F1B's bit for bit, but a tied weight's: in the V both its uses are on stage 0 and add into one
+    .grad as they come (float32 rounding only). A micro-batch crosses 2p-2 stage boundaries each
+    way instead of p-1 (the V's bottom turns round on one rank, without a message): twice the bytes."""
+    cfg = GPTConfig(vocab_size=11, block_size=6, n_layer=8, n_head=2, n_embd=16, tie_weights=tied)
+    ((x, y),) = batches(int(dist.world().comm.bcast(np.random.randint(1 << 30), root=0)), 1, 16, cfg)
+    grads, sent = {}, {}
+    for name, chunks in (("1f1b", 1), ("zb-v", 2)):
+        model = GPT(cfg, seed=1)
+        stage = PipelineStage(model, 4, chunks, placement=placement_of(name))
+        with dist.comm_stats() as stats:
+            train_step(stage, make_schedule(name, 4, 8, chunks)[stage.rank], x, y, 8)
+        sent[name] = dist.world().comm.allreduce(stats.sent())
+        names = {id(p): n for n, p in model.named_parameters()}
+        grads[name] = {names[id(p)]: p.grad for p in stage.parameters()}
+    assert grads["1f1b"].keys() <= set(dict(GPT(cfg).named_parameters()))
+    every = dist.world().comm.allgather(grads["zb-v"])
+    merged = {n: g for part in every for n, g in part.items()}
+    for n, g in dist.world().comm.allgather(grads["1f1b"])[dist.get_rank()].items():
+        if tied and n == "wte.weight":
+            assert_close(merged[n], g, atol=1e-6, rtol=1e-5, what="the tied weight's gradient")
+        else:
+            assert np.array_equal(merged[n], g), f"rank {dist.get_rank()}: {n} differs from 1F1B's"
+    activation = 16 // 8 * cfg.block_size * cfg.n_embd * 4  # bytes of one micro-batch's (rows, T, C)
+    tied_sync = 2 * cfg.vocab_size * cfg.n_embd * 4 if tied else 0  # 1F1B only: first <-> last stage
+    assert sent["1f1b"] == 8 * 2 * 3 * activation + tied_sync
+    assert sent["zb-v"] == 8 * 2 * 6 * activation

@@ -62,6 +62,7 @@ LAYOUTS = {
     "--pp 2 --schedule gpipe": Plan(pp=2, schedule="gpipe"),
     "--pp 2 --schedule interleaved --chunks 2": Plan(pp=2, schedule="interleaved", chunks=2, microbatches=4),
     "--pp 2 --schedule zb-h1": Plan(pp=2, schedule="zb-h1"),  # a recomputed block's W comes with its B
+    "--pp 2 --schedule zb-v": Plan(pp=2, schedule="zb-v"),
     "--cp 2 (ring)": Plan(cp=2),
     "--cp 2 --cp-algo alltoall": Plan(cp=2, cp_algo="alltoall"),
 }

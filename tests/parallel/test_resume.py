@@ -94,6 +94,7 @@ MOE = "--experts 4 --dropout 0 --capacity-factor 1.0"  # experts split over EP r
         ("--dp 2 --tp 2 --zero 3", "--pp 2 --dp 2 --zero 3", ""),
         ("--dp 2 --cp 2 --zero 3", "--dp 2 --tp 2 --sp --zero 3", ""),
         ("--pp 2 --dp 2 --zero 3", "", ""),
+        ("--pp 2 --dp 2 --zero 1 --schedule zb-v", "--pp 4 --schedule zb-h1", ""),  # a V's stage 0 holds both ends
     ],
     ids=[
         "dp2tp2-to-pp4",
@@ -112,6 +113,7 @@ MOE = "--experts 4 --dropout 0 --capacity-factor 1.0"  # experts split over EP r
         "dp2tp2zero3-to-pp2dp2zero3",
         "dp2cp2zero3-to-dp2tp2spzero3",
         "pp2dp2zero3-to-serial",
+        "pp2dp2zero1zbv-to-pp4zbh1",
     ],
 )
 def test_resume_under_another_layout_stays_on_the_serial_curve(tmp_path, monkeypatch, first, then, model):

@@ -135,10 +135,10 @@ class ParallelModel:
     def _split_pipeline(self, part):
         if self.plan.pp == 1:
             return None
-        from tinytrain.parallel.pipeline import PipelineStage, make_schedule
+        from tinytrain.parallel.pipeline import PipelineStage, make_schedule, placement_of
 
         plan = self.plan
-        stage = PipelineStage(part, plan.pp, plan.chunks, group=self.pp_group)
+        stage = PipelineStage(part, plan.pp, plan.chunks, group=self.pp_group, placement=placement_of(plan.schedule))
         self.actions = make_schedule(plan.schedule, plan.pp, plan.n_microbatches, plan.chunks)[stage.rank]
         return stage
 

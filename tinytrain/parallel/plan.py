@@ -48,6 +48,10 @@ class Plan:
     ps_order: str = "arrival"  # async-ps: serve gradients as they arrive, or in an order drawn from the seed
     seed: int = 0  # (the run's --seed: async-ps --ps-order seeded draws its order from it)
 
+    def __post_init__(self):
+        if self.schedule == "zb-v" and self.chunks == 1:  # ZB-V runs two chunks per stage, in a V
+            object.__setattr__(self, "chunks", 2)
+
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp * self.ep
@@ -91,7 +95,7 @@ class Plan:
             raise ValueError("--cp and --sp both cut the sequence; use one of them")
         if self.cp > 1:
             self.check_context_parallel(config)
-        if self.pp == 1 and (self.chunks != 1 or self.microbatches):
+        if self.pp == 1 and (self.chunks != (2 if self.schedule == "zb-v" else 1) or self.microbatches):
             raise ValueError("--chunks and --microbatches cut the batch for a pipeline: they need --pp 2 or more")
         if self.zero == 2 and self.pp > 1:
             raise ValueError(
@@ -131,6 +135,11 @@ class Plan:
             from tinytrain.parallel.pipeline import make_schedule, split_layers
 
             make_schedule(self.schedule, self.pp, self.n_microbatches, self.chunks)
+            if self.schedule == "zb-v" and config.n_layer < 2 * self.pp:
+                raise ValueError(
+                    f"--schedule zb-v puts two chunks of blocks on each of the {self.pp} stages: use --layers >= "
+                    f"{2 * self.pp} (this model has {config.n_layer}), fewer stages, or another schedule"
+                )
             split_layers(config.n_layer, self.pp, self.chunks)
 
     def check_dp_algo(self, config) -> None:

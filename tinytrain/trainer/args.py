@@ -112,9 +112,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--pp", type=int, default=1, help="pipeline stages")
     par.add_argument(
         "--schedule",
-        choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
+        choices=("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"),
         default="1f1b",
-        help="pipeline schedule; zb-h1: 1F1B with each backward split into B (input) and W (weights)",
+        help="pipeline schedule; zb-h1: 1F1B with each backward split into B (input) and W (weights); "
+        "zb-v: the same split over two chunks per stage placed in a V",
     )
     par.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: 2 x --pp)")
     par.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved schedule)")

@@ -12,7 +12,7 @@ cross between neighbouring stages:
 The chapter is split by job; read it in this order:
 
     schedules.py  what each stage runs when, as data: GPipe, 1F1B, interleaved 1F1B, zero-bubble
-                  ZB-H1 (F, B = input gradient, W = weight gradients); the bubble
+                  ZB-H1 and ZB-V (F, B = input gradient, W = weight gradients); the bubble
     stage.py      what each rank holds: split_layers, the StageModel protocol, PipelineStage,
                   the embedding tied between the first and last stage
     messages.py   what moves between stages: activations forward, gradients backward, with
@@ -41,7 +41,9 @@ from tinytrain.parallel.pipeline.schedules import (
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
+    placement_of,
     zb_h1,
+    zb_v,
 )
 from tinytrain.parallel.pipeline.stage import (
     PipelineStage,
@@ -60,7 +62,9 @@ __all__ = [
     "interleaved_1f1b",
     "make_schedule",
     "one_f_one_b",
+    "placement_of",
     "zb_h1",
+    "zb_v",
     "recv_activation",
     "recv_gradient",
     "send_activation",

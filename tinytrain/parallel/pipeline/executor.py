@@ -1,13 +1,14 @@
 """The executor: one training step of any schedule, each action turned into compute and messages.
 
 ``PipelineStep`` walks this stage's list of actions (``schedules.py``) in order. For an action on
-chunk c of stage s (virtual stage k = c·p + s, of ``n = p·v``):
+chunk c of stage s (virtual stage k = c·p + s, of ``n = p·v``; ZB-V: ``stage.virtual``):
 
     F mb   k > 0:  recv the activation from k-1, as a leaf (this wait is bubble, not compute)
            k = 0:  embed micro-batch mb's tokens instead
            run the chunk's blocks; k = n-1: the loss; k < n-1: isend the output to k+1
     B mb   k < n-1: recv d(loss)/d(output) from k+1;  backward from the output (or the loss)
            k > 0:   isend the received leaf's .grad to k-1
+           (ZB-V's V turns round on one rank, parts p-1 and p: that hand-over is a dict, no message)
     W mb   (zero-bubble schedules, whose B is the input's gradient only) the weight gradients
            B left for later (``autograd.backward_inputs``); no message
     end    wait for every isend; sum the tied weight's two gradients (first and last stage)
@@ -28,7 +29,7 @@ from __future__ import annotations
 from tinytrain import distributed as dist
 from tinytrain import random as _random
 from tinytrain import trace
-from tinytrain.autograd import backward_inputs, saved_bytes
+from tinytrain.autograd import Tensor, backward_inputs, saved_bytes
 from tinytrain.backend import xp
 from tinytrain.parallel.pipeline.messages import (
     message_tag,
@@ -77,6 +78,7 @@ class PipelineStep:
         self.received: dict = {}  # (mb, chunk) -> leaf Tensor (not on virtual stage 0)
         self.outputs: dict = {}  # (mb, chunk) -> output Tensor, or the loss on the last virtual stage
         self.pending = []  # isend handles; their buffers must live until they complete
+        self.turned: dict = {}  # (mb, "F" or "B") -> what a V's bottom hands its other chunk, no message
         self.split = any(a.kind == "W" for a in actions)  # B is the input's gradient only, W the rest
         self.weight_work: dict = {}  # what each split B left for its W, until the W runs
         self.loss = 0.0
@@ -97,7 +99,10 @@ class PipelineStep:
     def forward(self, mb: int, chunk: int) -> None:
         st = self.stage
         k = st.virtual(chunk)
-        if k > 0:  # waiting for the input is a bubble, not work: it stays outside the compute span
+        if k > 0 and st.peer(k - 1) == st.rank:  # the bottom of a V: the part before is this rank's
+            h = Tensor(self.turned.pop((mb, "F")), requires_grad=True)  # a leaf, as if it had come by message
+            self.received[(mb, chunk)] = h
+        elif k > 0:  # waiting for the input is a bubble, not work: it stays outside the compute span
             h = recv_activation(
                 self.act_shape, self.act_dtype, st.peer(k - 1), message_tag(mb, k - 1, st.n_virtual, False), st.group
             )
@@ -110,7 +115,9 @@ class PipelineStep:
             if k == st.n_virtual - 1:
                 out = st.loss(out, self.y[mb], self.n_targets)
                 self.loss += out.item()
-        if k < st.n_virtual - 1:
+        if k < st.n_virtual - 1 and st.peer(k + 1) == st.rank:
+            self.turned[(mb, "F")] = out.data
+        elif k < st.n_virtual - 1:
             self.pending.append(send_activation(out, st.peer(k + 1), message_tag(mb, k, st.n_virtual, False), st.group))
         self.outputs[(mb, chunk)] = out
 
@@ -119,7 +126,9 @@ class PipelineStep:
         k = st.virtual(chunk)
         out = self.outputs.pop((mb, chunk))  # dropping it frees this micro-batch's activations
         grad = None
-        if k < st.n_virtual - 1:
+        if k < st.n_virtual - 1 and st.peer(k + 1) == st.rank:
+            grad = self.turned.pop((mb, "B"))
+        elif k < st.n_virtual - 1:
             grad = recv_gradient(out, st.peer(k + 1), message_tag(mb, k, st.n_virtual, True), st.group)
         leaf = self.received.pop((mb, chunk)) if k > 0 else None
         with trace.span(f"B{mb}", cat="backward", microbatch=mb, chunk=chunk):
@@ -129,7 +138,9 @@ class PipelineStep:
                 # END SOLUTION
             else:
                 out.backward(grad)
-        if leaf is not None:
+        if leaf is not None and st.peer(k - 1) == st.rank:
+            self.turned[(mb, "B")] = leaf.grad
+        elif leaf is not None:
             self.pending.append(
                 send_gradient(leaf, st.peer(k - 1), message_tag(mb, k - 1, st.n_virtual, True), st.group)
             )
@@ -166,7 +177,9 @@ def share_parameters(stage: PipelineStage) -> None:
     it, so any rank can evaluate the whole model or save a checkpoint. (Not needed for training.)"""
     owner = {}
     for r in reversed(range(stage.stages)):  # the lowest rank holding a parameter owns it
-        other = PipelineStage(stage.model, stage.stages, stage.chunks, rank=r, group=stage.group)
+        other = PipelineStage(
+            stage.model, stage.stages, stage.chunks, rank=r, group=stage.group, placement=stage.placement
+        )
         owner.update({id(p): r for p in other.parameters()})
     for p in stage.model.parameters():
         dist.broadcast(p.data, src=owner[id(p)], group=stage.group)
