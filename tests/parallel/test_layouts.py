@@ -16,6 +16,7 @@ import pytest
 
 from tinytrain import distributed as dist
 from tinytrain.cli import main
+from tinytrain.parallel.simulator import bubble_formula
 
 TINY = (
     "--layers 4 --width 32 --heads 4 --batch-size 8 --steps 4 --eval-every 2 --eval-batches 1 --warmup 1 "
@@ -221,10 +222,18 @@ def test_zero_prints_memory_per_rank_and_trace_shows_every_rank(tmp_path, capsys
 
 
 @pytest.mark.world_size(2)
-def test_pipeline_plot_and_trace_leave_their_files(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_pipeline_plot_and_trace_leave_their_files(tmp_path, capsys, schedule):
     out = parallel_cases.shared_dir(tmp_path)
-    assert main(["train", *TINY, "--pp", "2", "--out", str(out / "r"), "--plot", "--trace", str(out / "t.json")]) == 0
+    layout = ["--pp", "2", "--schedule", schedule, "--out", str(out / "r"), "--plot", "--trace", str(out / "t.json")]
+    assert main(["train", *TINY, *layout]) == 0
     if dist.get_rank() == 0:
+        # the measured bubble next to the simulated one and the formula, and each stage's peak bytes
+        line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith(f"pipeline ({schedule})"))
+        formula = f"{bubble_formula(2, 4, 2 if schedule == 'zb-v' else 1, schedule=schedule):.1%}"
+        assert "measured bubble share" in line and f"formula {formula}" in line, line
+        peaks = json.loads(line.split("peak activation bytes per stage ")[1].split(";")[0])
+        assert len(peaks) == 2 and min(peaks) > 0, line
         for name in ("pipeline.png", "activation_memory.png", "metrics.json", "ckpt/manifest.json"):
             assert (out / "r" / name).stat().st_size > 0, name
         events = json.loads((out / "t.json").read_text())
