@@ -45,8 +45,9 @@ def crash_at_step_4(monkeypatch):
     return lambda: monkeypatch.setattr(AdditionDataset, "batch", real_batch)
 
 
-def assert_same_run(resumed, straight) -> None:
-    """Losses and LR per step, then every parameter and AdamW moment of the final checkpoint."""
+def assert_same_run(resumed, straight) -> list:
+    """Losses and LR per step, then every parameter and AdamW moment of the final checkpoint; returns
+    the step count of every parameter."""
     got, want = (json.loads((d / "metrics.json").read_text()) for d in (resumed, straight))
     assert [s["step"] for s in got["steps"]] == list(range(1, 7))
     np.testing.assert_allclose([s["loss"] for s in got["steps"]], [s["loss"] for s in want["steps"]], rtol=2e-5)
@@ -62,7 +63,11 @@ def assert_same_run(resumed, straight) -> None:
             np.testing.assert_allclose(
                 a.read(name, field), b.read(name, field), rtol=1e-3, atol=1e-5, err_msg=f"{name} {field}"
             )
-        assert a.scalars[name] == b.scalars[name] == {"step": 6}
+        # AdamW counts a parameter's own steps: an expert no token reached has no gradient and is
+        # skipped, on every layout alike (--bias-rate 0.05 starves some); every other parameter steps 6
+        assert a.scalars[name] == b.scalars[name], name
+        assert b.scalars[name] == {"step": 6} or ".experts." in name, (name, b.scalars[name])
+    return [b.scalars[name]["step"] for name in b.names()]
 
 
 def straight_serial(tmp_path, model: str = ""):
@@ -90,7 +95,7 @@ MOE = "--experts 4 --dropout 0 --capacity-factor 1.0"  # experts split over EP r
         ("--cp 2 --tp 2", "", ""),
         ("--dp 2 --ep 2", "", MOE),
         ("", "--ep 4", MOE),
-        ("--dp 2 --ep 2", "", MOE + " --balance bias --bias-rate 0.01"),  # the routing bias resumes too
+        ("--dp 2 --ep 2", "", MOE + " --balance bias --bias-rate 0.05"),  # the bias resumes; it starves experts
         ("--dp 2 --tp 2 --zero 3", "--pp 2 --dp 2 --zero 3", ""),
         ("--dp 2 --cp 2 --zero 3", "--dp 2 --tp 2 --sp --zero 3", ""),
         ("--pp 2 --dp 2 --zero 3", "", ""),
@@ -134,7 +139,9 @@ def test_resume_under_another_layout_stays_on_the_serial_curve(tmp_path, monkeyp
     if then or dist.get_rank() == 0:
         train(out, f"{then} {model}", "--resume")
     if dist.get_rank() == 0:
-        assert_same_run(out, straight_serial(tmp_path, model))
+        steps = assert_same_run(out, straight_serial(tmp_path, model))
+        if "--bias-rate 0.05" in model:  # the hard case that row is for: experts some steps left out
+            assert min(steps) < 6, steps
 
 
 @pytest.mark.world_size(2)
