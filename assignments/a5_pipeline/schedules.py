@@ -69,10 +69,14 @@ backwards to fill the wait for the next one (ZB-H1's idea again).
     s2 ·  ·  F0 f0 F1 f1 F2 f2 b0 w0 F3 B0 W0 f3 b1 w1 F4 B1 W1 f4 b2 w2 F5 B2 W2 f5 b3 w3 B3 b4 B4 W3 b5 w4 B5 W4 w5 W5
 
 A stage's work is 6m chunk passes; the only idle time left is the first forward's way down (stage
-s waits s passes at the start and p-1-s at the end): with F = B = W the bubble share is
+s waits s passes at the start and p-1-s in the cool-down): with F = B = W the bubble share is
 (p-1)/(6m + p-1) for m >= 2p (the simulator finds fewer micro-batches a little above it), half of
-ZB-H1's idle time. Every stage holds up to 2p chunks' activations, p micro-batches' worth: 1F1B's
-peak, on every stage. The price is messages: 2p-2 boundaries crossed each way instead of p-1.
+ZB-H1's idle time. The paper calls it zero: its stages' busy times form a parallelogram, and with
+the optimizer step's checks moved after the step ("post-validation") one step's cool-down overlaps
+the next step's warm-up. A step measured on its own, as here (tinytrain clips gradients and
+averages the loss between steps), keeps those p-1 passes. Every stage holds up to 2p chunks'
+activations, p micro-batches' worth: 1F1B's peak, on every stage. The price is messages: 2p-2
+boundaries crossed each way instead of p-1.
 """
 
 from __future__ import annotations
