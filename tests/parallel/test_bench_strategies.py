@@ -3,6 +3,7 @@
 import argparse
 import json
 
+import numpy
 import pytest
 
 from tinytrain import distributed as dist
@@ -92,12 +93,7 @@ def assert_the_planner_is_the_measured_peak(rows, precision: str) -> None:
         planned = bench.planned_memory(r["strategy"], config, 8, precision)["total"]
         measured = max(r["peak_bytes"])
         assert r["planned_bytes"] == int(planned)
-        # ZeRO-3 also holds the copies its async reduce-scatters take of a unit's full gradients
-        # until they complete: how many are in flight depends on scheduling (0.3% above the plan on a
-        # quiet machine, 13% once in CI under load), at most the gradients of the largest unit, as
-        # many bytes as it gathers.
-        in_flight = max(r["gathered_bytes"]) if r["strategy"] == "zero3" else 0
-        assert 0 <= 1 - planned / measured < PLANNER_BELOW or 0 <= measured - planned <= in_flight, (
+        assert 0 <= 1 - planned / measured < PLANNER_BELOW, (
             f"{r['strategy']} ({precision}): planned {planned:.0f}, measured {measured}"
         )
 
@@ -124,3 +120,20 @@ def test_the_zero_papers_table_and_the_planners_peak_from_a_16_bit_run(tmp_path)
             assert rows[name][f"{key}_bytes"] == [want[key]] * 4, f"{name} {key}: {rows[name]} vs the paper's {want}"
         assert rows[name]["gathered_bytes"] == [biggest if stage == 3 else 0] * 4, name
     assert_the_planner_is_the_measured_peak(rows.values(), BF16)
+
+
+def test_a_graph_alive_elsewhere_is_not_the_steps_activations():
+    """The activations column is what the step saves for backward: a graph that something else in
+    the process still holds (an earlier run's, a traceback's) is not counted into it."""
+    from tinytrain import functional as F
+    from tinytrain.autograd import saved_bytes
+
+    config = GPTConfig(**dict(bench.MODEL, n_embd=16, block_size=8))
+    if dist.get_rank() != 0:  # the serial row runs on rank 0 alone
+        return
+    clean = bench.measure("serial", config, 8, 1)["activations"]
+    ids = numpy.zeros((8, config.block_size), dtype=numpy.int64)
+    held = F.cross_entropy(GPT(config, seed=1)(ids), ids)  # kept alive: no backward, never dropped
+    assert saved_bytes() > 0
+    assert bench.measure("serial", config, 8, 1)["activations"] == clean
+    del held

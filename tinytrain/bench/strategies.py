@@ -25,6 +25,7 @@ activations, AdamW's float32 masters and moments: the ZeRO paper's 2Ψ + 2Ψ + 1
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
@@ -92,8 +93,12 @@ def _step_bytes(stats) -> int:
 def _one_step(runner, optimizer, x, y) -> tuple[float, object, dict]:
     """(seconds, comm_stats, memory) of one step on this rank, as the training loop runs it."""
     from tinytrain import distributed as dist
-    from tinytrain.autograd import peak_saved_bytes, reset_peak_saved_bytes
+    from tinytrain.autograd import peak_saved_bytes, reset_peak_saved_bytes, saved_bytes
 
+    # A graph still alive elsewhere in this process (another run's, one an exception's traceback
+    # holds) has its saved arrays counted too: collect what is garbage, count only what the step adds.
+    gc.collect()
+    before = saved_bytes()
     reset_peak_saved_bytes()
     start = time.perf_counter()
     with dist.comm_stats() as stats:
@@ -102,7 +107,7 @@ def _one_step(runner, optimizer, x, y) -> tuple[float, object, dict]:
         memory = _memory(runner, optimizer)  # gradients exist now; the optimizer state after step 1
         runner.step(optimizer)
     seconds = time.perf_counter() - start
-    return seconds, stats, memory | {"activations": peak_saved_bytes()}
+    return seconds, stats, memory | {"activations": peak_saved_bytes() - before}
 
 
 def measure(name: str, config, batch: int, steps: int, precision: str = "fp32") -> dict | None:
