@@ -222,16 +222,17 @@ def test_zero_prints_memory_per_rank_and_trace_shows_every_rank(tmp_path, capsys
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
-def test_pipeline_plot_and_trace_leave_their_files(tmp_path, capsys, schedule):
+@pytest.mark.parametrize("schedule,m", [("1f1b", 4), ("zb-v", 4), ("zb-v", 2)])
+def test_pipeline_plot_and_trace_leave_their_files(tmp_path, capsys, schedule, m):
     out = parallel_cases.shared_dir(tmp_path)
-    layout = ["--pp", "2", "--schedule", schedule, "--out", str(out / "r"), "--plot", "--trace", str(out / "t.json")]
-    assert main(["train", *TINY, *layout]) == 0
+    layout = ["--pp", "2", "--schedule", schedule, "--microbatches", str(m), "--plot", "--trace", str(out / "t.json")]
+    assert main(["train", *TINY, *layout, "--out", str(out / "r")]) == 0
     if dist.get_rank() == 0:
         # the measured bubble next to the simulated one and the formula, and each stage's peak bytes
         line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith(f"pipeline ({schedule})"))
-        formula = f"{bubble_formula(2, 4, 2 if schedule == 'zb-v' else 1, schedule=schedule):.1%}"
+        formula = f"{bubble_formula(2, m, 2 if schedule == 'zb-v' else 1, schedule=schedule):.1%}"
         assert "measured bubble share" in line and f"formula {formula}" in line, line
+        assert ("(a floor below m = 4)" in line) == (schedule == "zb-v" and m < 4), line  # ZB-V's needs m >= 2p
         peaks = json.loads(line.split("peak activation bytes per stage ")[1].split(";")[0])
         assert len(peaks) == 2 and min(peaks) > 0, line
         for name in ("pipeline.png", "activation_memory.png", "metrics.json", "ckpt/manifest.json"):
