@@ -93,8 +93,10 @@ def assert_the_planner_is_the_measured_peak(rows, precision: str) -> None:
         planned = bench.planned_memory(r["strategy"], config, 8, precision)["total"]
         measured = max(r["peak_bytes"])
         assert r["planned_bytes"] == int(planned)
+        top = r["peak_bytes"].index(measured)
+        parts = {k: r[f"{k}_bytes"][top] for k in bench.MEMORY_KEYS}
         assert 0 <= 1 - planned / measured < PLANNER_BELOW, (
-            f"{r['strategy']} ({precision}): planned {planned:.0f}, measured {measured}"
+            f"{r['strategy']} ({precision}): planned {planned:.0f}, measured {measured} on rank {top}: {parts}"
         )
 
 
