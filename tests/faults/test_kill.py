@@ -101,4 +101,31 @@ def test_kill_at_a_random_moment(tmp_path, straight, ranks):
     assert proc.poll() is None, "the run ended before the kill: give it more --steps"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+    kill_every_process_in(tmp_path)
     resume_onto_the_curve(tmp_path, ranks, straight)
+
+
+def kill_every_process_in(folder, timeout: float = 30.0) -> None:
+    """SIGKILL whatever still runs in ``folder`` and wait until nothing does. mpirun's launcher puts
+    each rank in a session of its own, out of mpirun's process group: killing the group ends mpirun
+    at once, and the ranks a moment later, when the launcher's death reaches them. A rank still
+    running meanwhile would save another checkpoint while the test reads this one."""
+    folder = os.path.realpath(folder)
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.path.realpath(f"/proc/{pid}/cwd") == folder and int(pid) != os.getpid():
+                    alive.append(int(pid))
+            except OSError:  # it ended meanwhile, or is not ours to look at
+                continue
+        if not alive:
+            return
+        assert time.monotonic() < deadline, f"processes {alive} in {folder} outlived SIGKILL for {timeout} s"
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.02)
