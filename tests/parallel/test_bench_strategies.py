@@ -59,13 +59,21 @@ def test_every_strategy_has_a_row_with_time_bytes_and_memory(tmp_path, capsys):
         assert (max(r["grads_bytes"]) < psi_bytes) == (stage >= 2), stage
         assert (max(r["params_bytes"]) < psi_bytes) == (stage == 3), stage
     # TP and PP split the model: no rank holds all of it
-    for name in ("tp", "tp+sp", "pp-gpipe", "pp-1f1b", "pp-interleaved"):
+    for name in ("tp", "tp+sp", "pp-gpipe", "pp-1f1b", "pp-interleaved", "pp-zb-h1", "pp-zb-v"):
         assert max(rows[name]["params_bytes"]) < psi_bytes, name
         assert min(rows[name]["sent_bytes"]) > 0, name
     # the pipeline schedules send the same messages in another order; 1F1B holds fewer microbatches'
     # activations at once than GPipe (at most pp instead of all of them)
-    assert rows["pp-1f1b"]["sent_bytes"] == rows["pp-gpipe"]["sent_bytes"]
+    assert rows["pp-1f1b"]["sent_bytes"] == rows["pp-gpipe"]["sent_bytes"] == rows["pp-zb-h1"]["sent_bytes"]
     assert max(rows["pp-1f1b"]["activations_bytes"]) < max(rows["pp-gpipe"]["activations_bytes"])
+    # ZB-H1 and ZB-V hold 1F1B's stage-0 peak (ZB-V: on every stage, and stage 0 runs the loss too);
+    # ZB-V's middle stages send about twice what 1F1B's do: a micro-batch crosses each of them twice
+    # (the exact count, against the formula: tests/parallel/test_pipeline.py)
+    one_f = rows["pp-1f1b"]
+    assert max(rows["pp-zb-h1"]["activations_bytes"]) == one_f["activations_bytes"][0]
+    zb_v = rows["pp-zb-v"]["activations_bytes"]
+    assert one_f["activations_bytes"][0] * 0.95 <= min(zb_v) <= max(zb_v) <= one_f["activations_bytes"][0] * 1.1
+    assert all(1.9 * b < v < 2.1 * b for v, b in zip(rows["pp-zb-v"]["sent_bytes"][1:3], one_f["sent_bytes"][1:3]))
     printed = capsys.readouterr().out
     assert "x serial = this strategy's step time / the serial step time" in printed
     for name in bench.STRATEGIES:

@@ -43,6 +43,8 @@ STRATEGIES = {
     "pp-gpipe": {"pp": 4, "schedule": "gpipe"},
     "pp-1f1b": {"pp": 4, "schedule": "1f1b"},
     "pp-interleaved": {"pp": 4, "schedule": "interleaved", "chunks": 2},
+    "pp-zb-h1": {"pp": 4, "schedule": "zb-h1"},
+    "pp-zb-v": {"pp": 4, "schedule": "zb-v"},
     "zero3+tp": {"dp": 2, "tp": 2, "zero": 3},
     "zero3+pp": {"dp": 2, "pp": 2, "zero": 3},
 }
