@@ -55,7 +55,7 @@ QUESTIONS = {
         "What does 1F1B buy instead (see the most micro-batches a stage holds), and what does "
         "interleaving cost in messages?",
         "ZB-H1 and ZB-V sit below 1F1B's formula: which part of a backward fills their bubbles, and what does "
-        "ZB-V pay for halving ZB-H1's idle time? Why is ZB-V above its own formula at m = 4 < 2p?",
+        "ZB-V pay for halving ZB-H1's idle time? Which of your runs holds the most activations, and why there?",
     ],
     "6": [
         "How does the dropped share fall with the capacity factor, for top-1 and top-2? Relate it to the "

@@ -187,7 +187,7 @@ def _describe(dep, stages, placement):
 def bubble_formula(stages: int, microbatches: int, chunks: int = 1, schedule: str = "1f1b") -> float:
     """The textbook bubble share for free messages: (p-1)/(v·m + p-1) for GPipe, 1F1B and
     interleaved (any ratio of forward to backward cost); with F = B = W (each a third of a forward
-    plus backward) ZB-H1's (p-1)/(3m + p-1) for m >= p and ZB-V's (p-1)/(6m + p-1) for m >= 2p."""
+    plus backward) ZB-H1's (p-1)/(3m + p-1) and ZB-V's (p-1)/(6m + p-1), both for m >= p."""
     if schedule == "zb-h1":
         return (stages - 1) / (3 * microbatches + stages - 1)
     if schedule == "zb-v":

@@ -45,7 +45,7 @@ def plot_last_pipeline_step(spans, plan, args, out: Path) -> None:
     atomic_write(
         out / "activation_memory.png", lambda f: plot_activation_memory(dict(sorted(memory.items())), f, title=title)
     )
-    exact_from = {"zb-h1": p, "zb-v": 2 * p}.get(plan.schedule, 1)  # fewer micro-batches: a floor
+    exact_from = p if plan.schedule in ("zb-h1", "zb-v") else 1  # fewer micro-batches: a floor
     floor = f" (a floor below m = {exact_from})" if m < exact_from else ""
     print(
         f"pipeline ({plan.schedule}): measured bubble share {bubble_share(measured):.1%}, simulated "

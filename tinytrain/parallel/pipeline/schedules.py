@@ -55,24 +55,25 @@ part (the embedding) and the last (the loss). Each chunk's pass is half a stage'
 the V (stage p-1 holds parts p-1 and p) the activation turns round on the same rank: no message.
 Warm-up, stage s: chunk-0 forwards until micro-batch 0 comes back up (2(p-s)-1 of them), then s
 pairs of chunk-1 and chunk-0 forwards, then micro-batches reach the loss and turn back; steady
-state F B W on chunk 0, then on chunk 1; cool-down: the backwards, with each W held back s
-backwards to fill the wait for the next one (ZB-H1's idea again).
+state F B on chunk 0, then on chunk 1. Each W comes as late as memory allows: a stage runs its
+oldest waiting W only when another forward would hold more than 2p chunks (1F1B's stage-0 peak,
+p micro-batches), and in the cool-down each W waits s backwards (ZB-H1's idea again).
 
     ZB-V, p=3, m=6, F = B = W per chunk (capitals: chunk 0; f b w: chunk 1)
 
-    s0 F0 F1 F2 F3 F4 f0 b0 w0 f1 b1 w1 f2 b2 w2 F5 B0 W0 f3 b3 w3 B1 W1 f4 b4 w4 B2 W2 f5 b5 w5 B3 W3 ·  B4 W4 ·  B5 W5
-    s1 ·  F0 F1 F2 f0 F3 f1 b0 w0 f2 b1 w1 F4 B0 W0 f3 b2 w2 F5 B1 W1 f4 b3 w3 B2 W2 f5 b4 w4 B3 b5 W3 B4 w5 ·  B5 W4 W5
-    s2 ·  ·  F0 f0 F1 f1 F2 f2 b0 w0 F3 B0 W0 f3 b1 w1 F4 B1 W1 f4 b2 w2 F5 B2 W2 f5 b3 w3 B3 b4 B4 W3 b5 w4 B5 W4 w5 W5
+    s0 F0 F1 F2 F3 F4 f0 b0 w0 f1 b1 w1 f2 b2 w2 F5 B0 W0 f3 b3 ·  B1 w3 f4 b4 ·  B2 W1 f5 b5 B3 w4 W2 w5 W3 B4 W4 B5 W5
+    s1 ·  F0 F1 F2 f0 F3 f1 b0 w0 f2 b1 w1 F4 B0 W0 f3 b2 w2 F5 B1 W1 f4 b3 ·  B2 w3 f5 b4 B3 W2 w4 b5 W3 B4 w5 B5 W4 W5
+    s2 ·  ·  F0 f0 F1 f1 F2 f2 b0 w0 F3 B0 W0 f3 b1 w1 F4 B1 W1 f4 b2 w2 F5 B2 W2 f5 b3 B3 b4 w3 B4 W3 b5 w4 B5 W4 w5 W5
 
-A stage's work is 6m chunk passes; the only idle time left is the first forward's way down (stage
-s waits s passes at the start and p-1-s in the cool-down): with F = B = W the bubble share is
-(p-1)/(6m + p-1) for m >= 2p (the simulator finds fewer micro-batches a little above it), half of
-ZB-H1's idle time. The paper calls it zero: its stages' busy times form a parallelogram, and with
-the optimizer step's checks moved after the step ("post-validation") one step's cool-down overlaps
-the next step's warm-up. A step measured on its own, as here (tinytrain clips gradients and
-averages the loss between steps), keeps those p-1 passes. Every stage holds up to 2p chunks'
-activations, p micro-batches' worth: 1F1B's peak, on every stage. The price is messages: 2p-2
-boundaries crossed each way instead of p-1.
+A stage's work is 6m chunk passes; the idle time left is what the first forward's way down costs,
+p-1 passes on every stage (stage s waits s at the start, p-1-s later): with F = B = W the bubble
+share is (p-1)/(6m + p-1) for m >= p (fewer micro-batches: above it), half of ZB-H1's idle time.
+The paper calls it zero: its stages' busy times form a parallelogram, and with the optimizer
+step's checks moved after the step ("post-validation") one step's cool-down overlaps the next
+step's warm-up. A step measured on its own, as here (tinytrain clips gradients and averages the
+loss between steps), keeps those p-1 passes. Every stage holds up to 2p chunks' activations, p
+micro-batches' worth: 1F1B's peak, on every stage. The price is messages: 2p-2 boundaries crossed
+each way instead of p-1.
 """
 
 from __future__ import annotations
@@ -168,37 +169,48 @@ def zb_v(stages: int, microbatches: int) -> list[list[Action]]:
     """Zero bubble in a V: chunk 0 of stage s is model part s, chunk 1 part 2p-1-s; backwards split
     into B and W. Simulate and run it with ``placement="v"`` (``placement_of("zb-v")``)."""
     _check(stages, microbatches)
+    most = 2 * stages  # chunks' activations a stage may hold: 1F1B's stage-0 peak, p micro-batches
     schedule = []
     for s in range(stages):
-        actions, done = [], {}  # done[(kind, chunk)]: how many micro-batches that pass has had
+        actions, done, waiting = [], {}, []  # done[(kind, chunk)]: micro-batches run; waiting: B run, W not
 
-        def run(*passes) -> None:  # the next micro-batch of each pass, in order (none once all m ran)
-            for kind, chunk in passes:
-                i = done.get((kind, chunk), 0)
-                if i < microbatches:
-                    actions.append(Action(kind, i, chunk))
-                    done[(kind, chunk)] = i + 1
+        def take(kind, chunk) -> None:
+            i = done.get((kind, chunk), 0)
+            actions.append(Action(kind, i, chunk))
+            done[(kind, chunk)] = i + 1
 
         def left(kind, chunk) -> bool:
             return done.get((kind, chunk), 0) < microbatches
+
+        def held() -> int:
+            return sum(done.get(("F", c), 0) - done.get(("W", c), 0) for c in (0, 1))
+
+        def run(*passes) -> None:  # the next micro-batch of each pass, in order (none once all m ran)
+            for kind, chunk in passes:
+                if not left(kind, chunk):
+                    continue
+                while kind == "F" and held() >= most and waiting:  # a W as late as memory allows
+                    take("W", waiting.pop(0))
+                take(kind, chunk)
+                if kind == "B":
+                    waiting.append(chunk)
 
         for _ in range(2 * (stages - s) - 1):  # chunk 0 only, until micro-batch 0 comes back up
             run(("F", 0))
         for _ in range(s):
             run(("F", 1), ("F", 0))
         for _ in range(stages - s):  # the first micro-batches reach the loss and turn back
-            run(("F", 1), ("B", 1), ("W", 1))
+            run(("F", 1), ("B", 1))
         while left("F", 1):  # steady state: one micro-batch of each pass on both chunks
-            run(("F", 0), ("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))
-        held = []  # cool-down: each W waits s backwards, filling the wait for the next B
-        while left("B", 0) or left("B", 1):
+            run(("F", 0), ("B", 0), ("F", 1), ("B", 1))
+        while left("B", 0) or left("B", 1):  # cool-down: each W waits s backwards, filling the wait for the next B
             for chunk in (0, 1):
                 if left("B", chunk):
                     run(("B", chunk))
-                    held.append(chunk)
-                    if len(held) > s:
-                        run(("W", held.pop(0)))
-        run(*[("W", chunk) for chunk in held])
+                    while len(waiting) > s:
+                        take("W", waiting.pop(0))
+        for chunk in waiting:
+            take("W", chunk)
         schedule.append(actions)
     return schedule
 
