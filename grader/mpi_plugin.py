@@ -40,6 +40,7 @@ import faulthandler
 import os
 import re
 import sys
+import tempfile
 import threading
 import time
 import zlib
@@ -79,10 +80,24 @@ def pytest_configure(config):
     )
     config.addinivalue_line("markers", "deadline(seconds): this test may take longer than TINYTRAIN_TEST_TIMEOUT")
     test_deadline()  # a bad TINYTRAIN_TEST_TIMEOUT is a usage error now, not an internal error later
+    if _size > 1 and not config.option.basetemp:
+        _temp_root_of_this_rank()
     if _rank != 0:
         _silence(config)
     _watchdog.config = config
     _watchdog.start()
+
+
+def _temp_root_of_this_rank() -> None:
+    """Each rank its own root for ``tmp_path`` (``pytest-of-<user>/pytest-N`` under it). pytest tidies
+    its root as the session ends (old numbered folders, the ``pytest-current`` link), and four ranks
+    tidying one root raced: a rank's unlink of a link another rank had just removed failed a run whose
+    every test had passed. (A test shares a folder across ranks with rank 0's path, broadcast.) Read
+    lazily by pytest, at the first ``tmp_path``; a nested run under a rank's root gets its own below."""
+    base = os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir()
+    root = os.path.join(base, f"tinytrain-{os.getuid()}-rank{_rank}")
+    os.makedirs(root, exist_ok=True)
+    os.environ["PYTEST_DEBUG_TEMPROOT"] = root
 
 
 def test_deadline(item=None) -> float:
