@@ -390,19 +390,13 @@ def _walk(steps, grads: dict, leaf_edges: dict, retain_graph: bool, keep=None) -
                     f"backward through {ctx.fn.__name__} a second time: its saved arrays were "
                     "freed by the first backward. Pass retain_graph=True to the first call."
                 )
-            wanted = _wanted(ctx, side)
+            wanted = None if side == _ALL else _wanted(ctx, side)  # None: every input (a full backward)
             if g is None:
                 in_grads = (None,) * len(ctx.inputs)
             else:
-                full = ctx.needs_input_grad
-                if side != _ALL:  # the op computes only the gradients this pass hands on
-                    ctx.needs_input_grad = tuple(n and w for n, w in zip(full, wanted))
                 seconds = _op_seconds[0]
                 start = time.perf_counter() if seconds is not None else 0.0
-                try:
-                    in_grads = ctx.fn.backward(ctx, g)
-                finally:
-                    ctx.needs_input_grad = full
+                in_grads = _op_backward(ctx, g, wanted)
                 if seconds is not None:
                     _add_seconds(seconds, ctx.fn, "backward", start)
                 if not isinstance(in_grads, tuple):
@@ -414,8 +408,8 @@ def _walk(steps, grads: dict, leaf_edges: dict, retain_graph: bool, keep=None) -
                 keep.append((t, g, _WEIGHTS))  # its saved arrays stay until W has used them
             elif not retain_graph:
                 ctx.release()
-            for inp, ig, w in zip(ctx.inputs, in_grads, wanted):
-                if inp is None or not inp.requires_grad or not w:
+            for i, (inp, ig) in enumerate(zip(ctx.inputs, in_grads)):
+                if inp is None or not inp.requires_grad or (wanted is not None and not wanted[i]):
                     continue
                 if ig is not None:
                     if ig.dtype != inp.data.dtype:  # a gradient has its tensor's dtype
@@ -428,10 +422,21 @@ def _walk(steps, grads: dict, leaf_edges: dict, retain_graph: bool, keep=None) -
                         _finish_leaf(inp, grads.pop(key, None))
 
 
+def _op_backward(ctx, g, wanted):
+    """The op's backward; in one pass of a split backward it computes only the gradients of the
+    ``wanted`` inputs (every op's backward honours ``ctx.needs_input_grad``)."""
+    if wanted is None:
+        return ctx.fn.backward(ctx, g)
+    full = ctx.needs_input_grad
+    ctx.needs_input_grad = tuple(n and w for n, w in zip(full, wanted))
+    try:
+        return ctx.fn.backward(ctx, g)
+    finally:
+        ctx.needs_input_grad = full
+
+
 def _wanted(ctx, side) -> tuple:
-    """Per input of ``ctx``: does it get its gradient in this pass?"""
-    if side == _ALL:
-        return (True,) * len(ctx.inputs)
+    """Per input of ``ctx``: does it get its gradient in this pass (B: the inputs', W: the rest)?"""
     on_path = ctx.on_input_path
     return tuple(on_path[i] == (side == _INPUTS) for i in range(len(ctx.inputs)))
 
