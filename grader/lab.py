@@ -121,19 +121,18 @@ def bubbles() -> list[dict]:
     """Assignment 5: each schedule's bubble share, simulated from the student's schedule (F = 1,
     B = 2; split, B = W = 1), next to the textbook formula; and the most micro-batches a stage
     holds at once. A schedule still a TODO is left out (ZB-H1, 5.6, is optional for the rest)."""
-    from tinytrain.parallel.pipeline import make_schedule, placement_of
-    from tinytrain.parallel.simulator import bubble_formula, simulate
+    from tinytrain.parallel.pipeline import simulate_schedule
+    from tinytrain.parallel.simulator import bubble_formula
 
     rows = []
     for name, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)):
         for m in (4, 8, 16):
             try:
-                schedule = make_schedule(name, RANKS, m, chunks)
+                t = simulate_schedule(name, RANKS, m, chunks)
             except NotImplementedError:
                 if name == "zb-h1":
                     break
                 raise
-            t = simulate(schedule, chunks=chunks, placement=placement_of(name))
             rows.append(
                 {
                     "schedule": name,

@@ -41,11 +41,13 @@ from assignments.a5_pipeline.messages import (
 )
 from assignments.a5_pipeline.schedules import (
     SCHEDULES,
+    chunks_of,
     gpipe,
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
     placement_of,
+    simulate_schedule,
     zb_h1,
     zb_v,
 )
@@ -58,6 +60,7 @@ from tinytrain.parallel.simulator import Action
 
 __all__ = [
     "SCHEDULES",
+    "chunks_of",
     "Action",
     "PipelineStage",
     "PipelineStep",
@@ -67,6 +70,7 @@ __all__ = [
     "make_schedule",
     "one_f_one_b",
     "placement_of",
+    "simulate_schedule",
     "zb_h1",
     "zb_v",
     "recv_activation",

@@ -82,7 +82,7 @@ each way instead of p-1.
 
 from __future__ import annotations
 
-from tinytrain.parallel.simulator import Action
+from tinytrain.parallel.simulator import Action, Timeline, chunks_of, placement_of, simulate
 
 
 def _check(stages: int, microbatches: int, chunks: int = 1) -> None:
@@ -178,21 +178,24 @@ def zb_v(stages: int, microbatches: int) -> list[list[Action]]:
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb-h1": zb_h1, "zb-v": zb_v}
 
 
-def placement_of(name: str) -> str:
-    """Where a schedule's chunks sit (``simulator.virtual_stage``): ``v`` for ZB-V, else ``loop``."""
-    return "v" if name == "zb-v" else "loop"
-
-
 def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:
-    """Schedule ``name``; ``chunks`` per stage is interleaved's choice, and ZB-V's two (1 means 2 there)."""
+    """Schedule ``name`` with ``chunks`` per stage (``chunks_of``)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if name == "interleaved":
         return interleaved_1f1b(stages, microbatches, chunks)
     if name == "zb-v":
-        if chunks not in (1, 2):
+        if chunks_of(name, chunks) != 2:
             raise ValueError(f"--schedule zb-v runs two chunks per stage in a V; drop --chunks {chunks}")
         return zb_v(stages, microbatches)
     if chunks != 1:
         raise ValueError(f"--chunks {chunks} needs --schedule interleaved ({name} runs one chunk per stage)")
     return SCHEDULES[name](stages, microbatches)
+
+
+def simulate_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, **costs) -> Timeline:
+    """Schedule ``name`` played by ``simulator.simulate`` (``costs``: its cost arguments) on the
+    chunks and placement it runs with."""
+    chunks = chunks_of(name, chunks)
+    schedule = make_schedule(name, stages, microbatches, chunks)
+    return simulate(schedule, chunks=chunks, placement=placement_of(name), **costs)

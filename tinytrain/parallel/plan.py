@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from tinytrain.backend import precision_dtype
 from tinytrain.nn.recompute import check_mode as check_recompute
+from tinytrain.parallel.simulator import chunks_of
 
 # --dp-algo: how the data-parallel replicas combine what they learn (tinytrain/parallel/data_parallel.py)
 DP_ALGOS = {
@@ -49,8 +50,7 @@ class Plan:
     seed: int = 0  # (the run's --seed: async-ps --ps-order seeded draws its order from it)
 
     def __post_init__(self):
-        if self.schedule == "zb-v" and self.chunks == 1:  # ZB-V runs two chunks per stage, in a V
-            object.__setattr__(self, "chunks", 2)
+        object.__setattr__(self, "chunks", chunks_of(self.schedule, self.chunks))  # ZB-V: two, in a V
 
     @property
     def world_size(self) -> int:
@@ -95,7 +95,7 @@ class Plan:
             raise ValueError("--cp and --sp both cut the sequence; use one of them")
         if self.cp > 1:
             self.check_context_parallel(config)
-        if self.pp == 1 and (self.chunks != (2 if self.schedule == "zb-v" else 1) or self.microbatches):
+        if self.pp == 1 and (self.chunks != chunks_of(self.schedule) or self.microbatches):
             raise ValueError("--chunks and --microbatches cut the batch for a pipeline: they need --pp 2 or more")
         if self.zero == 2 and self.pp > 1:
             raise ValueError(

@@ -66,6 +66,17 @@ def virtual_stage(stage: int, chunk: int, stages: int, placement: str = "loop") 
     return chunk * stages + stage
 
 
+def placement_of(schedule: str) -> str:
+    """Where a schedule's chunks sit (``virtual_stage``): ``v`` for ZB-V, else ``loop``."""
+    return "v" if schedule == "zb-v" else "loop"
+
+
+def chunks_of(schedule: str, chunks: int = 1) -> int:
+    """The model chunks per stage a schedule runs: ZB-V's two for the default 1 (any other count is
+    refused by ``pipeline.make_schedule``), else ``chunks`` (interleaved's choice)."""
+    return 2 if schedule == "zb-v" and chunks == 1 else chunks
+
+
 def stage_of(virtual: int, stages: int, placement: str = "loop") -> int:
     """The stage holding model part ``virtual`` (the inverse of ``virtual_stage``)."""
     if placement == "v" and virtual >= stages:

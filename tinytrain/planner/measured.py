@@ -236,8 +236,7 @@ def tinytrain_memory(
     keeps each unit's input only (its units recompute in backward, as full recompute does). Not
     counted: the embeddings', final norm's, logits' and loss's activations, a TP rank's replicated
     weights (counted as 1/t) and a stage's uneven share of the embeddings."""
-    from tinytrain.parallel.pipeline.schedules import make_schedule, placement_of
-    from tinytrain.parallel.simulator import simulate
+    from tinytrain.parallel.pipeline.schedules import chunks_of, simulate_schedule
 
     h, a = model.hidden, model.heads
 
@@ -250,9 +249,8 @@ def tinytrain_memory(
     held = None
     if lo.pp > 1:
         m = microbatches or 2 * lo.pp
-        chunks = 2 if schedule == "zb-v" else chunks
-        timeline = simulate(make_schedule(schedule, lo.pp, m, chunks), chunks=chunks, placement=placement_of(schedule))
-        peak = timeline.peak_activations[0]
+        chunks = chunks_of(schedule, chunks)
+        peak = simulate_schedule(schedule, lo.pp, m, chunks).peak_activations[0]
         held = peak * model.layers / (lo.pp * chunks)  # each chunk: layers / (p·v) of them
     elif lo.zero == 3:
         lo = replace(lo, recompute=True)

@@ -11,8 +11,8 @@ from tinytrain.checkpoint import atomic_write
 
 def plot_last_pipeline_step(spans, plan, args, out: Path) -> None:
     """The measured last step next to the simulated schedule, and activation memory per stage."""
-    from tinytrain.parallel.pipeline import make_schedule, placement_of
-    from tinytrain.parallel.simulator import bubble_formula, simulate
+    from tinytrain.parallel.pipeline import simulate_schedule
+    from tinytrain.parallel.simulator import bubble_formula
     from tinytrain.viz import bubble_share, compare_pipelines, pipeline_events, plot_activation_memory
 
     # One rank draws each stage: replica 0's TP rank 0 (the mesh {dp, pp, cp, tp} has TP innermost,
@@ -29,7 +29,7 @@ def plot_last_pipeline_step(spans, plan, args, out: Path) -> None:
     measured = pipeline_events(in_last)
 
     p, m, v = plan.pp, plan.n_microbatches, plan.chunks
-    timeline = simulate(make_schedule(plan.schedule, p, m, v), chunks=v, placement=placement_of(plan.schedule))
+    timeline = simulate_schedule(plan.schedule, p, m, v)
     simulated = timeline.rows()
     formula = bubble_formula(p, m, v, schedule=plan.schedule)
     panels = [(f"simulated {args.schedule}", simulated), (f"measured {args.schedule}, step {args.steps}", measured)]

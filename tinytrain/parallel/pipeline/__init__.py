@@ -37,11 +37,13 @@ from tinytrain.parallel.pipeline.messages import (
 )
 from tinytrain.parallel.pipeline.schedules import (
     SCHEDULES,
+    chunks_of,
     gpipe,
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
     placement_of,
+    simulate_schedule,
     zb_h1,
     zb_v,
 )
@@ -54,6 +56,7 @@ from tinytrain.parallel.simulator import Action
 
 __all__ = [
     "SCHEDULES",
+    "chunks_of",
     "Action",
     "PipelineStage",
     "PipelineStep",
@@ -63,6 +66,7 @@ __all__ = [
     "make_schedule",
     "one_f_one_b",
     "placement_of",
+    "simulate_schedule",
     "zb_h1",
     "zb_v",
     "recv_activation",
