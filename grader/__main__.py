@@ -9,6 +9,7 @@
     python -m grader mutants [--ci]          # the mutation suite: planted bugs, catch rate per assignment
     python -m grader report                  # report.md: each assignment's analysis, measured on your code
     python -m grader hints [--level full]    # how much each stub's hint gives away (share of the solution's names)
+    python -m grader leaks [--show 1.1]      # how much of each solution the copy holds (handouts, stand-ins, ...)
     python -m grader selfcheck [--suite]     # each task solved alone in a fresh student copy must score in full
     python -m grader gradescope OUT.zip      # a Gradescope autograder: setup.sh, run_autograder, a student copy
     python -m grader collect DIR... [--out scores.csv]   # a class's results.json in one table, a column per task
@@ -78,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
         dest="command",
         metavar="{stubs,release,report}"
         if is_release()
-        else "{stubs,release,report,mutants,hints,selfcheck,gradescope,collect}",
+        else "{stubs,release,report,mutants,hints,leaks,selfcheck,gradescope,collect}",
     )
     s = sub.add_parser("stubs", help="regenerate assignments/ from the solution markers in the reference")
     s.add_argument("--check", action="store_true", help="only check: exit 1 with a diff when assignments/ is stale")
@@ -97,6 +98,9 @@ def _parser() -> argparse.ArgumentParser:
         return p
     h = sub.add_parser("hints", help="how much each stub's hint gives away: the share of its solution's names it names")
     h.add_argument("--level", choices=HINT_LEVELS, default="brief", help="the hint level to measure (default brief)")
+    lk = sub.add_parser("leaks", help="how much of each solution the copy already holds: its expressions found elsewhere")
+    lk.add_argument("--level", choices=HINT_LEVELS, default="brief", help="the copy's hint level (default brief)")
+    lk.add_argument("--show", nargs="+", metavar="TASK", help="list what these tasks' regions leak, and from where")
     c = sub.add_parser("selfcheck", help="solve tasks one at a time in fresh student copies; each must score in full")
     c.add_argument("--tasks", nargs="+", metavar="PATTERN", help="tasks to check (default: all)")
     c.add_argument("--suite", action="store_true", help="also run each copy's whole test suite (slow)")
@@ -258,6 +262,10 @@ def main(argv=None) -> int:
         from .hints import main as hints_main
 
         return hints_main(args.level)
+    if args.command == "leaks":
+        from .leaks import main as leaks_main
+
+        return leaks_main(args.level, args.show)
     if args.command == "gradescope":
         from .gradescope import main as gradescope_main
 
