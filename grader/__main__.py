@@ -98,7 +98,9 @@ def _parser() -> argparse.ArgumentParser:
         return p
     h = sub.add_parser("hints", help="how much each stub's hint gives away: the share of its solution's names it names")
     h.add_argument("--level", choices=HINT_LEVELS, default="brief", help="the hint level to measure (default brief)")
-    lk = sub.add_parser("leaks", help="how much of each solution the copy already holds: its expressions found elsewhere")
+    lk = sub.add_parser(
+        "leaks", help="how much of each solution the copy already holds: its expressions found elsewhere"
+    )
     lk.add_argument("--level", choices=HINT_LEVELS, default="brief", help="the copy's hint level (default brief)")
     lk.add_argument("--show", nargs="+", metavar="TASK", help="list what these tasks' regions leak, and from where")
     c = sub.add_parser("selfcheck", help="solve tasks one at a time in fresh student copies; each must score in full")

@@ -429,7 +429,8 @@ def leaks(level: str = "brief", root: Path = ROOT) -> list[Leak]:
 def main(level: str = "brief", show: list[str] | None = None) -> int:
     rows = leaks(level)
     for row in sorted(rows, key=lambda r: -r.share):
-        print(f"{row.share:5.2f}  {row.task:<4} {row.file}:{row.line}  {len(row.found)}/{len(row.units)} units in the copy")
+        counts = f"{len(row.found)}/{len(row.units)} units in the copy"
+        print(f"{row.share:5.2f}  {row.task:<4} {row.file}:{row.line}  {counts}")
         if show and any(row.task == s or row.task.startswith(s.rstrip("*")) for s in show):
             for form, where in row.found.items():
                 print(f"        {row.units[form]}")

@@ -292,8 +292,11 @@ def pytest_runtest_protocol(item, nextitem):
 def _protocol(item, nextitem):
     from tinytrain.distributed import group as dist_group
 
+    from . import seeds
+
     MPI = _mpi()
     n = _needed_ranks(item)
+    seeds.reset()  # the seeds this test draws, for its failure messages and its replay
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
 
     if n is not None and n > _size:
