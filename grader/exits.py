@@ -10,6 +10,9 @@ EXIT_DEADLINE = 87  # a test ran past TINYTRAIN_TEST_TIMEOUT (a hang): every ran
 # The words a rank prints when its test ran past TINYTRAIN_TEST_TIMEOUT (before its stacks): the
 # grader, seeing them, knows the harness is ending the test itself and waits for it.
 DEADLINE_BANNER = "(TINYTRAIN_TEST_TIMEOUT): a hang or an endless loop"
+# What a rank prints at that deadline when it had itself raised in the test (while another rank hung):
+# its exception, its type and where, which the grader puts first in the hung test's message.
+RAISED_BEFORE_HANG = "=== tinytrain harness, rank {rank}: before the deadline, this rank's test had raised: "
 
 # The grader's budget for one test (``python -m grader --timeout``) and the harness's share of it:
 # a graded test ends at the same deadline under ``mpirun -n 4 pytest`` as under the grader.

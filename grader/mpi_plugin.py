@@ -51,7 +51,7 @@ os.environ.setdefault("TINYTRAIN_DEBUG", "1")
 import pytest  # noqa: E402
 from _pytest.runner import runtestprotocol  # noqa: E402
 
-from .exits import DEADLINE_BANNER, EXIT_DEADLINE, EXIT_ERROR, GRADED_DEADLINE  # noqa: E402
+from .exits import DEADLINE_BANNER, EXIT_DEADLINE, EXIT_ERROR, GRADED_DEADLINE, RAISED_BEFORE_HANG  # noqa: E402
 
 _TAG = 11
 _GRACE = 2.0  # seconds an expiring rank waits after printing its stacks, so the others print theirs
@@ -164,9 +164,11 @@ class _Watchdog(threading.Thread):
     def __init__(self):
         super().__init__(name="tinytrain-test-watchdog", daemon=True)
         self.config, self.nodeid, self.since, self.limit = None, None, 0.0, 0.0
+        self.failure = ""  # this rank's exception in the running test, if it raised one: shown at a hang
 
     def arm(self, item) -> None:
         self.since, self.limit, self.nodeid = time.monotonic(), test_deadline(item), item.nodeid
+        self.failure = ""
 
     def disarm(self) -> None:
         self.nodeid = None
@@ -188,6 +190,8 @@ class _Watchdog(threading.Thread):
             f"{DEADLINE_BANNER}; {hint}. Python stacks of rank "
             f"{_rank} (its main thread's innermost frame is where it is stuck):\n"
         )
+        if self.failure:  # another rank hung, but this one's exception is the likely cause: say it first
+            err.write(f"{RAISED_BEFORE_HANG.format(rank=_rank)}{self.failure}\n")
         err.flush()
         faulthandler.dump_traceback(file=err, all_threads=True)
         err.write(f"=== end of rank {_rank}'s stacks; aborting all ranks\n")
@@ -342,6 +346,30 @@ def pytest_runtest_makereport(item, call):
 
         if not call.excinfo.errisinstance(watchdog.PeerFailure):
             watchdog.report_failure(f"{item.name} ({call.when}): {call.excinfo.exconly()[:800]}")
+            if not call.excinfo.errisinstance((NotImplementedError, pytest.skip.Exception)):
+                first = (call.excinfo.exconly().strip().splitlines() or [""])[0][:400]
+                _watchdog.failure = f"{first} ({_where(call.excinfo, item.config)})"
+
+
+def _where(excinfo, config) -> str:
+    """Where an exception was raised, as a student looks for it: the innermost frame in the graded
+    assignment files (``--assignments DIR`` or ``assignments/``), else in the framework, else the
+    innermost frame."""
+    entries = list(excinfo.traceback)
+    chosen = getattr(config.option, "assignments", None) if config else None
+    places = [os.path.abspath(chosen)] if chosen else []
+    places += [
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), p)
+        for p in ("assignments", "tinytrain")
+    ]
+    for place in places:
+        for entry in reversed(entries):
+            path = os.path.abspath(str(entry.path))
+            if path.startswith(place + os.sep):
+                shown = os.path.relpath(path) if not chosen or place != places[0] else path
+                return f"{shown}:{entry.lineno + 1}, in {entry.name}"
+    last = entries[-1] if entries else None
+    return f"{last.path}:{last.lineno + 1}, in {last.name}" if last else "no traceback"
 
 
 # --- agreeing on the outcome -----------------------------------------------------------------------

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ROOT
-from .exits import DEADLINE_BANNER, EXIT_DEADLINE, EXIT_ERROR, GRADER_BUDGET, HARNESS_SHARE
+from .exits import DEADLINE_BANNER, EXIT_DEADLINE, EXIT_ERROR, GRADER_BUDGET, HARNESS_SHARE, RAISED_BEFORE_HANG
 
 PYTEST_STATUSES = (0, 1, 5)  # all passed, some failed, none collected
 
@@ -234,6 +234,17 @@ def _how_it_ended(status: int, logged_end: bool, budget: float) -> str:
     )
 
 
+_RAISED = re.compile(re.escape(RAISED_BEFORE_HANG).replace(r"\{rank\}", r"(?P<rank>\d+)") + r"(?P<what>.*)")
+
+
+def raised_before_the_end(output: str) -> str:
+    """What the ranks that had raised in the test said before a hang ended it ('' if none had):
+    'rank 1 raised ValueError: ... (assignments/a1_collectives.py:70, in ...)'. That exception, not
+    the hang it left behind on another rank, is what a student must mend first."""
+    said = {m["rank"]: m["what"].strip() for m in _RAISED.finditer(output)}
+    return "; ".join(f"rank {r} raised {what}" for r, what in sorted(said.items(), key=lambda kv: int(kv[0])))
+
+
 def _kill(proc) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -283,7 +294,9 @@ def run_tests(opts: RunOptions) -> tuple[list[TestResult], list[str]]:
                 problems.append(f"the run {ended}, between tests:\n{tail}")
             else:
                 task = next((t["task"] for t in planned if t["nodeid"] == current), "?")
-                results[current] = TestResult(current, task, "failed", ended, f"{ended}\n\nlast output:\n{tail}")
+                raised = raised_before_the_end(tail)
+                message = f"{raised}, and then the run {ended}" if raised else ended
+                results[current] = TestResult(current, task, "failed", message, f"{message}\n\nlast output:\n{tail}")
                 failed_tasks.add(task)
                 state["current"] = None
             remaining = [t["nodeid"] for t in planned if t["nodeid"] not in results and t["task"] not in failed_tasks]

@@ -10,6 +10,7 @@ grader run is shared by the tests that read it (module-scoped fixtures), and siz
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -179,6 +180,28 @@ def test_crash_and_hang_cost_only_their_own_tasks(tmp_path):
     assert "hung: the test ran past its deadline of 4.2 s" in hang, hang
     assert "in _broadcast_tree" in hang and "TINYTRAIN_GRADER_SEED=" in hang, hang  # the stack, the seed
     assert all(f"tinytrain harness, rank {r}:" in hang for r in range(4)), hang  # every rank's stacks
+
+
+def test_an_exception_on_one_rank_while_another_hangs_leads_the_hung_tasks_message(tmp_path):
+    """Rank 1 raises in the student's code while the other ranks loop forever: the task fails at the
+    harness's deadline, and its message (table, results.json) leads with rank 1's exception, its
+    type and the line of the student's file, not with "hung" alone."""
+    line = (
+        "if __import__('tinytrain').distributed.get_rank() == 1: raise ValueError('tree bounds off by one')"
+        "\n    while True: pass"
+    )
+    text = insert_after_docstring(assignment_text(A1, RUBRIC, solved=True), "_broadcast_tree", line)
+    folder = tmp_path / "raises_and_hangs"
+    folder.mkdir()
+    (folder / Path(A1.file).name).write_text(text)
+    results, out = grade(tmp_path, "--assignments", str(folder), "--timeout", "6", "--tasks", "1.5")
+    row = by_task(results)["1.5"]
+    first = row["output"].splitlines()[0]
+    assert row["status"] == "failed", out
+    cause = r"rank 1 raised ValueError: tree bounds off by one \(\S*a1_collectives.py:\d+, in _broadcast_tree\)"
+    assert re.search(cause, first), first
+    assert "hung" in first, first  # and what became of the run after it
+    assert "rank 1 raised ValueError" in out, out  # the table shows it too
 
 
 def test_score_table_and_seed_for_an_exception_in_the_students_code(tmp_path):
