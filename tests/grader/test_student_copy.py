@@ -173,6 +173,7 @@ def test_report_in_a_copy_measures_the_students_code_and_asks_the_questions(tmp_
             sections = text.split("## Assignment ")[1:]
             assert len(sections) == len(RUBRIC.assignments) and all("TODO" in x for x in sections), text
             assert "| equal |" not in text, text
+            assert "0 of 8 assignments measured; still TODO: 1, 2, 3, 4, 5, 6, 7, 8" in proc.stdout, proc.stdout
             continue
         assert "8 of 8 assignments measured" in proc.stdout, proc.stdout
         assert "Not measured" not in text and "differs" not in text, text
@@ -194,3 +195,34 @@ def test_grading_without_mpirun_is_one_sentence(tmp_path):
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("error: mpirun not found: activate the virtual environment"), proc.stderr
+
+
+@pytest.mark.deadline(400)
+def test_a_notebook_in_an_unfinished_copy_says_which_tasks_it_needs_and_draws_the_rest(tmp_path, monkeypatch):
+    """communication.ipynb in a fresh copy (every task a TODO): no traceback, one line naming the
+    tasks its missing figures need, and the figures that need none of them (the planner's) drawn."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    from grader.selfcheck import copy_environment
+
+    copy = tmp_path / "copy"
+    make_release(copy)
+    env = copy_environment(copy)
+    for name in set(os.environ) - set(env):
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    nb = nbformat.read(copy / "notebooks" / "communication.ipynb", as_version=4)
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(copy / "notebooks")}}
+    )
+    client.execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    errors = [o for o in outputs if o.output_type == "error"]
+    assert not errors, errors
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    said = [line for line in text.splitlines() if line.startswith("not drawn until tasks")]
+    assert len(said) == 1, text
+    assert re.match(r"not drawn until tasks (\d\.\d, )*\d\.\d are done: ", said[0]), said
+    assert "1.3" in said[0] and "2.2" in said[0], said  # the ring all-reduce, bucketed DDP
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 1, "nothing was drawn"
