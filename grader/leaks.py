@@ -53,8 +53,6 @@ REGION_LIMIT = 0.25
 # away, `(r + 1 + shift - s) % n` does; a statement (`out = f(x[i])`) counts from one fewer.
 MIN_OPS = 3
 MIN_STATEMENT_OPS = 2
-FALLBACK_OPS = (2, 1)  # for a region of a call or two, which the limits above would leave unmeasured
-INDEX_OPS = (min(MIN_OPS, FALLBACK_OPS[0]), min(MIN_STATEMENT_OPS, FALLBACK_OPS[1]))
 
 # Nodes that do something; names, constants, attribute reads and containers are free.
 _OPS = (
@@ -232,11 +230,11 @@ def units(tree: ast.AST, least: tuple[int, int] = (MIN_OPS, MIN_STATEMENT_OPS)) 
 
 
 def solution_units(code: str) -> dict[str, str]:
-    """A region's units; a region too short to hold any (one call) is measured by its statements alone."""
+    """A region's units. A region of a call or two has none: nothing in it is more than the API's
+    own spelling (``dist.recv(buf, src)``), so no expression can give it away; such a region is
+    listed as unmeasured and left out of the median (a fresh reader judges it)."""
     tree = _parse(code)
-    if tree is None:
-        return {}
-    return units(tree) or units(tree, FALLBACK_OPS)
+    return units(tree) if tree is not None else {}
 
 
 # --- the copy's text: Python parsed, Markdown's code and formulas tried as expressions ---------------
@@ -305,22 +303,22 @@ def markdown_units(text: str) -> dict[str, str]:
     for block in blocks:
         tree = _parse(block)
         if tree is not None:
-            found.update(units(tree, INDEX_OPS))
+            found.update(units(tree))
         else:
             for line in block.splitlines():
                 tree = _parse(_math_to_python(line))
                 if tree is not None:
-                    found.update(units(tree, INDEX_OPS))
+                    found.update(units(tree))
     prose = _FENCE.sub("", text)
     for span in _CODE_SPAN.findall(prose):
         tree = _parse(_math_to_python(span))
         if tree is not None:
-            found.update(units(tree, INDEX_OPS))
+            found.update(units(tree))
     for line in _CODE_SPAN.sub(lambda m: " " + m.group(1) + " ", prose).splitlines():
         for piece in _prose_candidates(line):
             tree = _parse(piece)
             if tree is not None:
-                found.update(units(tree, INDEX_OPS))
+                found.update(units(tree))
     return found
 
 
@@ -330,7 +328,7 @@ def python_units(text: str) -> dict[str, str]:
         tree = ast.parse(text)
     except SyntaxError:
         return {}
-    found = units(tree, INDEX_OPS)
+    found = units(tree)
     prose = []  # docstrings and comments are prose with formulas, as a handout is
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -404,8 +402,9 @@ class Leak:
     found: dict[str, dict[str, str]] = field(default_factory=dict)  # leaked form -> {copy path: its text}
 
     @property
-    def share(self) -> float:
-        return len(self.found) / len(self.units) if self.units else 0.0
+    def share(self) -> float | None:
+        """The part of its units the copy holds; None for a region with no unit to find."""
+        return len(self.found) / len(self.units) if self.units else None
 
 
 def leaks(level: str = "brief", root: Path = ROOT) -> list[Leak]:
@@ -426,9 +425,17 @@ def leaks(level: str = "brief", root: Path = ROOT) -> list[Leak]:
     return out
 
 
+def measured(rows: list[Leak]) -> list[Leak]:
+    """The regions that have units to find (the others are a call or two: see solution_units)."""
+    return [r for r in rows if r.share is not None]
+
+
 def main(level: str = "brief", show: list[str] | None = None) -> int:
     rows = leaks(level)
-    for row in sorted(rows, key=lambda r: -r.share):
+    for row in sorted(rows, key=lambda r: -1.0 if r.share is None else -r.share):
+        if row.share is None:
+            print(f"   -   {row.task:<4} {row.file}:{row.line}  a call or two: nothing to measure (read it)")
+            continue
         counts = f"{len(row.found)}/{len(row.units)} units in the copy"
         print(f"{row.share:5.2f}  {row.task:<4} {row.file}:{row.line}  {counts}")
         if show and any(row.task == s or row.task.startswith(s.rstrip("*")) for s in show):
@@ -436,11 +443,11 @@ def main(level: str = "brief", show: list[str] | None = None) -> int:
                 print(f"        {row.units[form]}")
                 for path, source in list(where.items())[:3]:
                     print(f"            {path}: {source}")
-    shares = [r.share for r in rows]
-    worst = max(rows, key=lambda r: r.share)
+    rated = measured(rows)
+    worst = max(rated, key=lambda r: r.share)
     print(
-        f"\n{len(rows)} regions at hint level {level}: median share of a solution's units the copy holds "
-        f"{statistics.median(shares):.2f} (limit {MEDIAN_LIMIT}), worst {worst.share:.2f} (task {worst.task}, "
-        f"{worst.file}:{worst.line}; limit {REGION_LIMIT})"
+        f"\n{len(rows)} regions at hint level {level}, {len(rated)} with units to find: median share of a "
+        f"solution's units the copy holds {statistics.median(r.share for r in rated):.2f} (limit {MEDIAN_LIMIT}), "
+        f"worst {worst.share:.2f} (task {worst.task}, {worst.file}:{worst.line}; limit {REGION_LIMIT})"
     )
     return 0
