@@ -152,8 +152,9 @@ class _Canon:
                 return f"({f(a)} {type(node.ops[0]).__name__} {f(b)})"
             if len(node.ops) == 1 and isinstance(node.ops[0], (ast.Gt, ast.GtE)):
                 return f"({f(node.comparators[0])} {_FLIP[type(node.ops[0])]} {f(node.left)})"
+            left = f(node.left)  # before the comparators: placeholders are numbered in reading order
             rest = " ".join(f"{type(o).__name__} {f(c)}" for o, c in zip(node.ops, node.comparators))
-            return f"({f(node.left)} {rest})"
+            return f"({left} {rest})"
         if isinstance(node, ast.Call):
             func = node.func.id if isinstance(node.func, ast.Name) else f(node.func)
             args = [f(a) for a in node.args] + [f"{k.arg}={f(k.value)}" for k in node.keywords]
