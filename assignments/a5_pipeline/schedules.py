@@ -19,8 +19,8 @@ message: the executor (``executor.py``) turns each action into compute and messa
 Every stage idles for p-1 slots of F and p-1 slots of B, so with equal costs the *bubble share*
 (idle time / total time) is (p-1)/(m+p-1). More micro-batches shrink it.
 
-1F1B runs the same work in another order: after p-1-s warm-up forwards, stage s alternates one
-forward and one backward. The bubble is the same, but a stage never holds more than p-s
+1F1B runs the same work in another order: after a few warm-up forwards, each stage alternates
+one forward and one backward, then drains. The bubble is the same, but a stage never holds more than p-s
 micro-batches' activations at once instead of all m: memory is what 1F1B buys.
 
     1F1B, p=4, m=4
@@ -37,21 +37,12 @@ as many messages. Chunk c of stage s is *virtual stage* ``c·p + s``.
 
 Zero bubble (Qi et al., 2024) splits each backward in two (``autograd.backward_inputs``): B, the
 gradient of the stage's input, which the previous stage waits for, and W, the weight gradients,
-which nobody waits for until the optimizer step. W can then fill the bubbles. ZB-H1 is 1F1B with
-B where 1F1B runs its backward, and stage s running each W s micro-batches after its B; the last
-s W's fill the cool-down, where 1F1B's stage s waits for the backwards of the stages after it.
-
-    ZB-H1, p=4, m=4, F = B = W (each one slot; 1F1B's backward is B + W = two)
-
-    stage 0  F0 F1 F2 F3 ·  ·  ·  B0 W0 B1 W1 B2 W2 B3 W3
-    stage 1  ·  F0 F1 F2 ·  ·  B0 F3 B1 W0 B2 W1 B3 W2 W3
-    stage 2  ·  ·  F0 F1 ·  B0 F2 B1 F3 B2 W0 B3 W1 W2 W3
-    stage 3  ·  ·  ·  F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 W2 W3     every stage ends at 3m + p-1
-
-A stage idles (p-1)(F + B - W) instead of 1F1B's (p-1)(F + B + W): with F = B = W the bubble
-share is (p-1)/(3m + p-1) for m >= p, against 1F1B's 3(p-1)/(3m + 3(p-1)) = (p-1)/(m+p-1), about
-a third. A micro-batch's activations stay until its W, so stage s holds up to p of them (1F1B's
-stage 0 holds p too): the same peak memory as 1F1B, spread over every stage.
+which nobody waits for until the optimizer step. W can then fill the bubbles. ZB-H1 keeps 1F1B's
+forwards and backwards (B where 1F1B runs its backward) and places the W's so that they fill 1F1B's
+cool-down (the handout states the paper's rule). With F = B = W a stage idles (p-1)(F + B - W)
+instead of 1F1B's (p-1)(F + B + W): the bubble share is (p-1)/(3m + p-1) for m >= p, against
+1F1B's 3(p-1)/(3m + 3(p-1)) = (p-1)/(m+p-1), about a third. A micro-batch's activations stay until
+its W, so every stage holds up to p of them: 1F1B's peak (its stage 0's), now on every stage.
 
 ZB-V gives each stage two chunks placed in a V: chunk 0 of stage s is model part s, chunk 1 is part
 2p-1-s, so a micro-batch goes down the stages and comes back up, and stage 0 holds both the first
@@ -61,7 +52,7 @@ Warm-up, stage s: chunk-0 forwards until micro-batch 0 comes back up (2(p-s)-1 o
 pairs of chunk-1 and chunk-0 forwards, then micro-batches reach the loss and turn back; steady
 state F B on chunk 0, then on chunk 1. Each W comes as late as memory allows: a stage runs its
 oldest waiting W only when another forward would hold more than 2p chunks (1F1B's stage-0 peak,
-p micro-batches), and in the cool-down each W waits s backwards (ZB-H1's idea again).
+p micro-batches), and in the cool-down each W waits s backwards.
 
     ZB-V, p=3, m=6, F = B = W per chunk (capitals: chunk 0; f b w: chunk 1)
 
@@ -97,18 +88,14 @@ def gpipe(stages: int, microbatches: int) -> list[list[Action]]:
 
 
 def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
-    """Warm up with p-1-s forwards, then alternate one forward and one backward, then drain."""
+    """1F1B (PipeDream-flush): the same passes as GPipe, with stage s holding at most p-s micro-batches."""
     _check(stages, microbatches)
     raise NotImplementedError("TODO 5.3: Each stage runs only as many forwards ahead as it has successors in the pipe, then alternates one forward with one backward, then drains, so it never holds more than p - s micro-batches.")
 
 
 def interleaved_1f1b(stages: int, microbatches: int, chunks: int) -> list[list[Action]]:
-    """1F1B over virtual stages (Megatron-LM's interleaved schedule).
-
-    Forwards go in groups of p micro-batches per chunk: micro-batches 0..p-1 through chunk 0, then
-    the same through chunk 1, ..., then micro-batches p..2p-1 through chunk 0, and so on. Backwards
-    visit the chunks in reverse. Needs ``microbatches`` to be a multiple of ``stages``.
-    """
+    """1F1B over virtual stages (Megatron-LM's interleaved schedule): ``chunks`` per stage, each
+    action naming its chunk. Needs ``microbatches`` to be a multiple of ``stages``."""
     _check(stages, microbatches, chunks)
     if microbatches % stages:
         raise ValueError(
@@ -120,7 +107,7 @@ def interleaved_1f1b(stages: int, microbatches: int, chunks: int) -> list[list[A
 
 
 def zb_h1(stages: int, microbatches: int) -> list[list[Action]]:
-    """1F1B with each backward split into B and W; stage s runs W of micro-batch j after B of j+s."""
+    """ZB-H1 (Qi et al., 2024): 1F1B with each backward split into B and W, the W's filling the bubbles."""
     _check(stages, microbatches)
     raise NotImplementedError("TODO 5.6: Keep 1F1B's order of forwards and backwards; each backward becomes the input-gradient pass alone, and stage s runs each weight pass a fixed number of backwards later, as many as stages before it, finishing the rest at the end.")
 
