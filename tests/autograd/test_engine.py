@@ -235,6 +235,32 @@ def test_no_grad_records_nothing(rng):
         y.backward()
 
 
+def test_a_backward_inside_a_functions_backward_says_gradients_are_off_there(rng):
+    """Task 8.1's first error: a recomputation inside a Function's backward builds no graph, since
+    every backward runs under no_grad(); the message says so and names enable_grad()."""
+    seen = []
+
+    class Recompute(Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved
+            again = T(x) * 2  # recomputed, but gradients are off in here
+            try:
+                again.sum().backward()
+            except RuntimeError as exc:
+                seen.append(str(exc))
+            return grad * 2
+
+    x = T(rng.standard_normal((2, 3)))
+    Recompute.apply(x).sum().backward()
+    assert seen and "runs every Function's backward under no_grad()" in seen[0] and "enable_grad()" in seen[0]
+
+
 def test_backward_of_a_non_scalar(rng):
     x = T(rng.standard_normal((2, 3)))
     y = x * 2

@@ -338,6 +338,13 @@ def _finish_leaf(leaf, g) -> None:
 def _seed(root, grad):
     """The gradient a backward starts from: the given one, or 1 (the loss scale) for a scalar."""
     if not root.requires_grad:
+        if not is_grad_enabled():  # e.g. a recomputation inside a Function's backward
+            raise RuntimeError(
+                "backward() on a tensor that does not require grad, computed while gradients were off: "
+                "the engine runs every Function's backward under no_grad() (so that a backward builds no "
+                "graph of its own), and so does no_grad() itself. A backward that needs a graph of its own "
+                "(a recomputed forward) must build it under enable_grad()."
+            )
         raise RuntimeError(
             "backward() on a tensor that does not require grad: no parameter it depends on has "
             "requires_grad=True (or it was computed under no_grad())."
@@ -482,7 +489,7 @@ class WeightGradients:
 def backward_inputs(root, inputs, grad=None) -> WeightGradients:
     """B: d(root)/d(x) into ``x.grad`` for each leaf x in ``inputs``; returns W, the rest of the
     backward (every other leaf's gradient), to call later. Together they give exactly the
-    gradients of ``backward(root, grad)``. ``inputs`` may be empty (then B does nothing)."""
+    gradients of ``backward(root, grad)``."""
     grad = _seed(root, grad)
     wanted = {id(x) for x in inputs}
     if root._ctx is None:  # a leaf: it is an input (B finishes it) or a weight (W does)
