@@ -54,7 +54,7 @@ from tinytrain.autograd import Parameter, Tensor
 from tinytrain.backend import xp
 from tinytrain.checkpoint import Placement
 from tinytrain.nn.module import Module
-from tinytrain.nn.transformer import attend
+from tinytrain.nn.transformer import CausalSelfAttention, attend
 from assignments.a4_tensor_parallel.mappings import (
     CopyToRegion,
     GatherFromRegion,
@@ -206,7 +206,10 @@ class ParallelMLP(Parallel):
         self.p, self.dropout_site = mlp.dropout.p, join(name, "dropout")
 
     def forward(self, x):
-        raise NotImplementedError("TODO 4.3: The serial MLP on this rank's hidden columns: expand, nonlinearity, project back, then the serial-matching random mask; no talk in between.")
+        """The serial MLP's own composition on parallel layers (written for you: the example that
+        4.3's attention follows): gelu acts on whole values of my hidden columns, so it needs no
+        talk; fc_1 enters the region and fc_2 leaves it."""
+        return self.dropout(self.fc_2(F.gelu(self.fc_1(x))), self.p, self.training)
 
 
 class ParallelAttention(Parallel):
@@ -221,6 +224,8 @@ class ParallelAttention(Parallel):
         self.proj = RowParallelLinear(attn.proj, group, join(name, "proj"), sequence_parallel=sequence_parallel)
         self.p, self.dropout_site = attn.dropout.p, join(name, "dropout")
         self.attention_fn = None  # None: causal attention on my heads; context parallel sets its own
+
+    split_heads = CausalSelfAttention.split_heads  # the serial layout (B, heads, T, head size), my n_head heads
 
     def forward(self, x):
         raise NotImplementedError("TODO 4.3: Attention with each head wholly on one rank: go into the region a single time for all three projections, compute attention on this rank's share, then the output projection and the serial-matching random mask.")

@@ -12,8 +12,9 @@ diagonal, computed with the causal mask).
 contiguous: N chunks of T/N, rank r holds chunk r. Rank r computes r + 1 blocks of (T/N)²
 products, rank N−1 N times as many as rank 0: the ring waits for the slowest.
 
-zigzag: 2N chunks of T/(2N), rank r holds chunks r and 2N−1−r (one early, one late). Every rank
-computes 2N + 1 blocks of (T/(2N))² products: balanced. N = 4, T = 16 (two positions a chunk)::
+zigzag: 2N chunks of T/(2N), two a rank, one early and one late, paired so that every rank
+computes the same 2N + 1 blocks of (T/(2N))² products: balanced. N = 4, T = 16 (two positions a
+chunk)::
 
     chunk     0  1  2  3  4  5  6  7
     rank      0  1  2  3  3  2  1  0
@@ -61,11 +62,16 @@ def chunk_ids(rank: int, n: int, split: str) -> list[int]:
     raise NotImplementedError("TODO 7.4: Pair one early chunk with its mirror image counted from the end, so every member gets the same causal work.")
 
 
+def chunk_positions(i: int, c: int) -> numpy.ndarray:
+    """The positions of chunk ``i`` when chunks hold ``c`` positions each."""
+    return numpy.arange(i * c, (i + 1) * c)
+
+
 def positions(T: int, rank: int, n: int, split: str) -> numpy.ndarray:
     """The global sequence positions rank ``rank`` of ``n`` holds (sorted int64 array of T/n)."""
     c = chunk_size(T, n, split)
     if split == "contiguous":
-        return numpy.arange(rank * c, (rank + 1) * c)
+        return chunk_positions(rank, c)
     raise NotImplementedError("TODO 7.4: The sorted sequence positions covered by the chunks this member holds.")
 
 

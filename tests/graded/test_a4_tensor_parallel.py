@@ -296,16 +296,19 @@ def test_parallel_attention_splits_heads(impl, case):
         return
     tp, per_rank = impl.tensor_parallel, ATTENTION_CASES[case][1] or int(rng.integers(1, 3))
     heads, head_dim = t * per_rank, int(rng.integers(1, 4))
-    config = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=heads, n_embd=heads * head_dim)
+    # with dropout (training mode): the output's mask must be the serial module's, keyed by its site
+    config = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=heads, n_embd=heads * head_dim, dropout=0.3)
     attn = CausalSelfAttention(config, rng=np.random.default_rng(int(rng.integers(1 << 30))))
+    attn.dropout.site = "dropout"  # the site ParallelAttention(attn, g, "") keys its masks with
     for p in attn.parameters():
         p.data[...] += xp.asarray(rng.normal(scale=0.3, size=p.shape).astype(np.float32))
     x = rng.normal(size=(2, int(rng.integers(2, 9)), config.n_embd)).astype(np.float32)
     upstream = rng.normal(size=x.shape).astype(np.float32)
     r = dist.get_rank(g)
+    _random.manual_seed(seed)
     what = (
         f"{case}: {heads} heads of {head_dim} over {t} ranks, {per_rank} head{'s' * (per_rank > 1)} per rank "
-        f"(rank {r}: heads {r * per_rank}-{(r + 1) * per_rank - 1}), x {x.shape} (seed {seed})"
+        f"(rank {r}: heads {r * per_rank}-{(r + 1) * per_rank - 1}), dropout 0.3, x {x.shape} (seed {seed})"
     )
     check_layer(tp.ParallelAttention(attn, g, ""), attn, x, upstream, t, what, g)
     bad = CausalSelfAttention(GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=t + 2, n_embd=t + 2))

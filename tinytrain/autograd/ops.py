@@ -523,10 +523,22 @@ class CrossEntropy(Function):
     @staticmethod
     def backward(ctx, grad):
         probs, tgt, valid = ctx.saved
-        g = probs.copy()
-        g[xp.arange(g.shape[0]), tgt] -= 1
-        g *= (valid * (grad / ctx.denom))[:, None].astype(g.dtype)
+        g = nll_grad(probs, tgt, 1, valid * (grad / ctx.denom))
         return _low(g, ctx.logits_dtype).reshape(ctx.logits_shape), None
+
+
+def nll_grad(probs, columns, hit, weight):
+    """Cross-entropy's gradient with respect to the scores, for rows of softmax ``probs`` (N, C).
+
+    ``columns`` (N,): each row's target column; ``hit``: 1, or a per-row mask of the rows whose
+    target lies among these C columns (no one-hot on the others); ``weight`` (N,): each row's
+    factor (0 on ignored rows). Row i: weight_i · (probs_i − onehot(columns_i) · hit_i). The
+    serial loss and the vocabulary-parallel one (on its own columns) share it.
+    """
+    g = probs.copy()
+    g[xp.arange(g.shape[0]), columns] -= xp.asarray(hit, dtype=g.dtype)
+    g *= weight[:, None].astype(g.dtype)
+    return g
 
 
 # --------------------------------------------------------------------------------------------

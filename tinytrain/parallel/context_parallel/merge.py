@@ -7,19 +7,11 @@ For one block of keys K_b, V_b a query block q gets a *partial* result::
     lse_b = log Σ_j exp(s_j)  (one number per query: the block's log-sum-exp)
     out_b = softmax(s)·V_b    (normalised within the block)
 
-Two partial results over disjoint key sets merge exactly into the result over their union::
-
-    lse = log(exp(lse_a) + exp(lse_b))                     = max + log(e^(lse_a−max) + e^(lse_b−max))
-    out = exp(lse_a − lse)·out_a + exp(lse_b − lse)·out_b   (each block's share of the softmax mass)
-
-so after every block has been merged, ``out`` is softmax over all keys times V, and ``lse`` is the
-row's log-normaliser, all a backward pass needs to rebuild any block's probabilities::
-
-    p = exp(q·K_bᵀ·scale − lse)
-
-Backward of one block (g = dout, δ = rowsum(g ⊙ out), the same for every block)::
-
-    dV_b = pᵀ·g    dp = g·V_bᵀ    ds = p ⊙ (dp − δ)·scale    dq += ds·K_b    dK_b = dsᵀ·q
+Two partial results over disjoint key sets merge exactly into the result over their union (each
+weighted by its share of the softmax mass), so after every block has been merged, ``out`` is
+softmax over all keys times V, and ``lse`` is the row's log-normaliser: all a backward pass needs
+to rebuild any block's probabilities without storing them. The derivations: assignment 7's
+handout, sections 2 and 4.
 
 ``WORK`` counts the q·k products computed (query rows × key columns, per batch row and head):
 the load-balance measurement of ``split.py`` reads it.

@@ -3,25 +3,19 @@
 Each of the N ranks holds q, k, v of its own sequence positions (B, H, T/N, D). In N steps every
 rank's K/V block visits every rank; each rank merges its queries' partial results (``merge.py``)::
 
-    step s: rank r holds the K/V of rank (r − s) mod N
-            post: send that block to r + 1, receive the next one from r − 1   ─┐ overlap:
-            compute: my queries × the block I hold (causal skips, split.py)  ─┘ comm ∥ compute
-            wait, swap buffers
-
     N = 4, contiguous         step 0   step 1   step 2   step 3       (K/V of rank ...)
         rank 0                  0 ◣      3 ·      2 ·      1 ·        ◣ diagonal (causal mask)
         rank 1                  1 ◣      0 ■      3 ·      2 ·        ■ full block
         rank 2                  2 ◣      1 ■      0 ■      3 ·        · skipped (all in the future)
         rank 3                  3 ◣      2 ■      1 ■      0 ■
 
-The send of step s is posted *before* step s's compute, so the next block is on its way while
-this one is computed; with compute ≥ transfer the N − 1 transfers hide behind it. Each rank sends
+Each step's transfer of the next block runs while this step's blocks are computed (comm ∥
+compute); with compute ≥ transfer the N − 1 transfers hide behind it. Each rank sends
 (N − 1)·|K, V| bytes forward, |K, V| = 2·B·H·(T/N)·D·itemsize.
 
 Backward (hand-written, nothing saved from the ring but q, k, v, out and the log-sum-exp): K/V go
-around once more, and with them an accumulator of dK/dV for the block's owner. At step s a rank adds
-its queries' contribution to the accumulator of block (r − s), and passes it on with the block;
-after N hops every accumulator is back at its owner, complete. dq stays local. Bytes sent backward:
+around once more, and with each block an accumulator of its dK/dV, which every rank it visits adds
+to; after N hops every accumulator is back at its owner, complete. dq stays local. Bytes sent backward:
 (N − 1)·|K, V| (the blocks) + N·|K, V| (the accumulators; the last hop takes them home).
 
 Each step's compute (all its blocks) is one ``trace`` span ("ring attention", cat compute, args step/src/pass); the

@@ -8,8 +8,9 @@ diagonal, computed with the causal mask).
 contiguous: N chunks of T/N, rank r holds chunk r. Rank r computes r + 1 blocks of (T/N)²
 products, rank N−1 N times as many as rank 0: the ring waits for the slowest.
 
-zigzag: 2N chunks of T/(2N), rank r holds chunks r and 2N−1−r (one early, one late). Every rank
-computes 2N + 1 blocks of (T/(2N))² products: balanced. N = 4, T = 16 (two positions a chunk)::
+zigzag: 2N chunks of T/(2N), two a rank, one early and one late, paired so that every rank
+computes the same 2N + 1 blocks of (T/(2N))² products: balanced. N = 4, T = 16 (two positions a
+chunk)::
 
     chunk     0  1  2  3  4  5  6  7
     rank      0  1  2  3  3  2  1  0
@@ -55,17 +56,22 @@ def chunk_ids(rank: int, n: int, split: str) -> list[int]:
     if split == "contiguous":
         return [rank]
     # BEGIN SOLUTION 7.4 "Pair one early chunk with its mirror image counted from the end, so every member gets the same causal work." full="Zigzag: one early chunk and its mirror image from the end, [rank, 2n − 1 − rank]."
-    return [rank, 2 * n - 1 - rank]
+    return [rank, n_chunks(n, split) - 1 - rank]
     # END SOLUTION
+
+
+def chunk_positions(i: int, c: int) -> numpy.ndarray:
+    """The positions of chunk ``i`` when chunks hold ``c`` positions each."""
+    return numpy.arange(i * c, (i + 1) * c)
 
 
 def positions(T: int, rank: int, n: int, split: str) -> numpy.ndarray:
     """The global sequence positions rank ``rank`` of ``n`` holds (sorted int64 array of T/n)."""
     c = chunk_size(T, n, split)
     if split == "contiguous":
-        return numpy.arange(rank * c, (rank + 1) * c)
-    # BEGIN SOLUTION 7.4 "The sorted sequence positions covered by the chunks this member holds." full="Zigzag: the positions of each of chunk_ids(rank, n, split): chunk i is [i·c, (i+1)·c); concatenate them."
-    return numpy.concatenate([numpy.arange(i * c, (i + 1) * c) for i in chunk_ids(rank, n, split)])
+        return chunk_positions(rank, c)
+    # BEGIN SOLUTION 7.4 "The sorted sequence positions covered by the chunks this member holds." full="Zigzag: chunk_positions of each of chunk_ids(rank, n, split), concatenated."
+    return numpy.concatenate([chunk_positions(i, c) for i in chunk_ids(rank, n, split)])
     # END SOLUTION
 
 

@@ -50,7 +50,7 @@ from tinytrain.autograd import Parameter, Tensor
 from tinytrain.backend import xp
 from tinytrain.checkpoint import Placement
 from tinytrain.nn.module import Module
-from tinytrain.nn.transformer import attend
+from tinytrain.nn.transformer import CausalSelfAttention, attend
 from tinytrain.parallel.tensor_parallel.mappings import (
     CopyToRegion,
     GatherFromRegion,
@@ -211,9 +211,10 @@ class ParallelMLP(Parallel):
         self.p, self.dropout_site = mlp.dropout.p, join(name, "dropout")
 
     def forward(self, x):
-        # BEGIN SOLUTION 4.3 "The serial MLP on this rank's hidden columns: expand, nonlinearity, project back, then the serial-matching random mask; no talk in between." full="fc_1, gelu, fc_2, then self.dropout(y, self.p, self.training)."
+        """The serial MLP's own composition on parallel layers (written for you: the example that
+        4.3's attention follows): gelu acts on whole values of my hidden columns, so it needs no
+        talk; fc_1 enters the region and fc_2 leaves it."""
         return self.dropout(self.fc_2(F.gelu(self.fc_1(x))), self.p, self.training)
-        # END SOLUTION
 
 
 class ParallelAttention(Parallel):
@@ -229,16 +230,15 @@ class ParallelAttention(Parallel):
         self.p, self.dropout_site = attn.dropout.p, join(name, "dropout")
         self.attention_fn = None  # None: causal attention on my heads; context parallel sets its own
 
+    split_heads = CausalSelfAttention.split_heads  # the serial layout (B, heads, T, head size), my n_head heads
+
     def forward(self, x):
-        # BEGIN SOLUTION 4.3 "Attention with each head wholly on one rank: go into the region a single time for all three projections, compute attention on this rank's share, then the output projection and the serial-matching random mask." full="Enter once (q, k, v share it), local linears, my n_head/t heads, attend(self.attention_fn, q, k, v), proj, dropout."
+        # BEGIN SOLUTION 4.3 "Attention with each head wholly on one rank: go into the region a single time for all three projections, compute attention on this rank's share, then the output projection and the serial-matching random mask." full="Enter once (q, k, v share it), local linears, split_heads (my n_head/t heads), attend(self.attention_fn, q, k, v), merge the heads, proj, dropout."
         x = self.enter(x)  # once, not per projection: one all-reduce (or all-gather) for all three
-        heads = []
-        for linear in (self.q, self.k, self.v):
-            y = F.linear(x, linear.weight, linear.bias)
-            B, T, C = y.shape
-            heads.append(y.reshape(B, T, self.n_head, C // self.n_head).transpose(1, 2))
-        y = attend(self.attention_fn, *heads)
-        y = y.transpose(1, 2).reshape(B, T, C)
+        q, k, v = (self.split_heads(F.linear(x, lin.weight, lin.bias)) for lin in (self.q, self.k, self.v))
+        y = attend(self.attention_fn, q, k, v)  # (B, my heads, T, head size)
+        B, H, T, D = y.shape
+        y = y.transpose(1, 2).reshape(B, T, H * D)  # my heads side by side: my columns of proj's input
         return self.dropout(self.proj(y), self.p, self.training)
         # END SOLUTION
 
