@@ -4,24 +4,21 @@
 
 """Dispatch and combine: an expert's tokens travel to the rank that owns it and back, by all-to-all.
 
-Rank r of the EP group (P ranks) owns experts [r·E/P, (r+1)·E/P). After routing, its kept
-assignments are sorted by expert, so the rows for rank p's experts are one contiguous block::
+Rank r of the EP group (P ranks) owns experts [r·E/P, (r+1)·E/P). Before and after, for P = 2,
+E = 4 (rank 0 owns e0, e1; rank 1 owns e2, e3), rows grouped by expert::
 
-    rank 0  [e0 e0 e0 | e1 | e2 e2 | e3 e3 e3 e3]        rank 1  [e0 | e1 e1 | e2 | e3 e3]
-             └─ to 0 (4 rows) ┘└─ to 1 (6 rows) ┘                  └─to 0 (3)┘└─ to 1 (3)┘
-        counts all-to-all (E/P integers to each rank) so every rank knows what it will receive
-        dispatch all-to-all, uneven splits:   rank 0 gets 4 + 3 rows (e0, e1), rank 1 gets 6 + 3
-        owner: group the received rows by expert, run each expert, put them back in received order
-        combine all-to-all: the exact reverse (send what was received, receive what was sent)
+    before   rank 0 holds [e0 e0 e0 | e1 | e2 e2 | e3 e3 e3 e3]     rank 1 holds [e0 | e1 e1 | e2 | e3 e3]
+    middle   rank 0 holds the 4 + 3 rows for e0, e1 and their outputs; rank 1 the 6 + 3 for e2, e3
+    after    each rank holds one output row per row it started with, in its own order
 
-Backward is the same two exchanges the other way round: the gradient of an all-to-all is the
-reverse all-to-all (``AllToAll``). Two variants:
+Backward: the gradient of an all-to-all is an all-to-all too (``AllToAll``). Two variants:
 
-    dropless (uneven splits)  sends exactly the kept rows; needs the counts exchange first, and
-                              every step has other shapes
+    dropless (uneven splits)  sends exactly the kept rows; every step has other sizes, which
+                              the receiving side must learn first
     padded (equal splits)     every (rank, expert) block is padded to ``slots`` rows: static
-                              shapes and no counts exchange, but the padding travels and is
-                              computed on (bytes and FLOPs wasted: 1 − kept rows / sent rows)
+                              shapes and no sizes to learn, but the padding travels and is
+                              computed on (bytes and FLOPs wasted: 1 − kept rows / sent rows);
+                              it is ``dropless`` on a padded buffer whose sizes are known
 
 Bytes each rank sends per MoE layer (row = C · itemsize bytes), ``wire_bytes``:
     dropless  forward: 8·(P−1)·E/P (counts) + row·(Σ_{p≠r} send_p + Σ_{p≠r} recv_p); backward the same
@@ -76,9 +73,11 @@ def inverse(perm: numpy.ndarray) -> numpy.ndarray:
     return inv
 
 
-def dropless(moe, rows, counts, group):
+def dropless(moe, rows, counts, group, arriving=None):
     """Run ``rows`` (grouped by expert, ``counts[e]`` each) on their experts' owners and bring the
-    outputs back, uneven splits. Returns (outputs in the order of ``rows``, send sizes, recv sizes)."""
+    outputs back, uneven splits. Returns (outputs in the order of ``rows``, send sizes, recv sizes).
+    ``arriving`` (P, E/P): how many rows each rank sends each of my experts, where every rank
+    knows it without asking (``padded``'s equal blocks); None: the ranks tell each other."""
     P, r = dist.get_world_size(group), dist.get_rank(group)
     per = moe.n_experts // P
     raise NotImplementedError("TODO 6.3: First tell each owner how many assignments for each of its experts are coming, then ship them with uneven splits, have each owner run every local expert once on its arrivals, and return the results home in their original order.")
@@ -87,18 +86,15 @@ def dropless(moe, rows, counts, group):
 def padded(moe, rows, counts, slots: int, group):
     """Like ``dropless``, but every (rank, expert) block is padded to ``slots`` rows: equal splits, no
     counts exchange; each expert runs on all P·slots rows it receives, padding included."""
-    P, r = dist.get_world_size(group), dist.get_rank(group)
-    E, per, width = moe.n_experts, moe.n_experts // P, rows.shape[-1]
+    P, E, width = dist.get_world_size(group), moe.n_experts, rows.shape[-1]
     starts = numpy.cumsum(counts) - counts
     real = numpy.concatenate([e * slots + numpy.arange(counts[e]) for e in range(E)]).astype(numpy.int64)
     index = numpy.full(E * slots, rows.shape[0], dtype=numpy.int64)  # pad: the zero row appended below
     index[real] = numpy.concatenate([starts[e] + numpy.arange(counts[e]) for e in range(E)]).astype(numpy.int64)
     buffer = F.concatenate([rows, Tensor(xp.zeros((1, width), dtype=rows.dtype))], axis=0)[xp.asarray(index)]
-    got = AllToAll.apply(buffer, group=group)  # [p][j][slot]
-    perm = by_expert(numpy.full((P, per), slots, dtype=numpy.int64))
-    out = moe.run_experts(got[xp.asarray(perm)], [P * slots] * per, owned(r, E, P))
-    back = AllToAll.apply(out[xp.asarray(inverse(perm))], group=group)
-    return back[xp.asarray(real)]
+    blocks = numpy.full((P, E // P), slots, dtype=numpy.int64)  # every rank sends every expert `slots` rows
+    out, _, _ = dropless(moe, buffer, numpy.full(E, slots, dtype=numpy.int64), group, arriving=blocks)
+    return out[xp.asarray(real)]
 
 
 def wire_bytes(variant: str, rank: int, size: int, n_experts: int, row_bytes: int, send=None, recv=None, slots=0):

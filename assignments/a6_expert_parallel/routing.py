@@ -5,22 +5,18 @@
 """The gate and the capacity of an expert-parallel MoE layer: the serial rules on the whole batch.
 
 Each rank of the data group (dp × ep ranks) routes only its own rows, but the serial MoE's
-numbers are whole-batch statistics. One all-gather of the per-(choice, expert) counts (k·E + 1
-integers per rank: the +1 is the rank's token count) gives every rank all it needs, exactly:
+numbers are whole-batch statistics. One all-gather of small per-rank tallies gives every rank
+what it needs, exactly, in data-rank order d·EP + e (rank d·EP + e holds block d·EP + e of the
+batch, so data-rank order is row order)::
 
-    rank d·EP + e (its rows: block d·EP + e of the batch, so data-rank order is row order)
-        counts (k, E)  ─ all_gather over ep, then over dp ─►  gathered (D, k, E+1) on every rank
+    rank d·EP + e:  its tallies (k, E+1)  ─ all_gather over ep, then over dp ─►  gathered (D, k, E+1)
+                    gathered[d, s, e]  data rank d's choice-s assignments to expert e  (e < E)
+                    gathered[d, :, E]  data rank d's token count
 
-    load balancing   f_e = Σ_ranks chosen_e / (N·k)       (global counts, no gradient)
-                     P_e = Σ_my tokens probs[t, e] / N     (my share: the ranks' shares add up to P)
-                     my aux = D · E · Σ_e f_e · P_e       (× D: the data group *averages* gradients)
-    capacity         queue place of my choice-s assignment to e = Σ_{s' < s} all ranks' choice-s'
-                     assignments to e + the lower ranks' choice-s assignments to e + my earlier
-                     tokens': the serial GShard order of the whole batch, so the same tokens drop
-    loss-free        (--balance bias, DeepSeek-V3) after each step, on every rank alike:
-      balancing      b_e += γ · sign(mean_e' load_e' − load_e), load = the whole batch's chosen
-                     counts (the gathered ones): every rank holds the same bias, the top-k choice
-                     ranks probs + b, the combine weights stay probs
+    load balancing   the aux loss of the whole batch, each rank holding a share (6.1)
+    capacity         the serial GShard queues of the whole batch, so the same tokens drop (6.2)
+    loss-free        DeepSeek-V3's routing bias, moved after each step against the whole
+      balancing      batch's load, the same on every rank (6.5)
 
 The routing rules themselves (top-k, combine weights, queue positions, the loss formula) are
 ``tinytrain.nn.moe``'s: one implementation, used by the serial layer and by this chapter.
@@ -44,6 +40,12 @@ def gather_over(array: numpy.ndarray, ep_group, dp_group=None) -> numpy.ndarray:
     return got
 
 
+def batch_totals(moe, gathered) -> tuple[numpy.ndarray, int]:
+    """(assignments that chose each expert (E,), tokens) of the whole batch, from ``gathered``."""
+    E = moe.n_experts
+    return gathered[:, :, :E].sum(axis=(0, 1)), int(gathered[:, 0, E].sum())
+
+
 def gate(moe, tokens, ep_group, dp_group=None):
     """The top-k gate over my tokens (N_r, C), with the whole batch's load-balancing loss.
 
@@ -57,8 +59,7 @@ def gate(moe, tokens, ep_group, dp_group=None):
 
 def global_capacity(moe, gathered) -> int | None:
     """The serial layer's capacity for the whole batch (None: unlimited)."""
-    n_total = int(gathered[:, 0, moe.n_experts].sum())
-    return expert_capacity(moe.capacity_factor, n_total, moe.top_k, moe.n_experts)
+    return expert_capacity(moe.capacity_factor, batch_totals(moe, gathered)[1], moe.top_k, moe.n_experts)
 
 
 def keep(moe, experts, gathered, me: int) -> numpy.ndarray:
@@ -74,17 +75,16 @@ def keep(moe, experts, gathered, me: int) -> numpy.ndarray:
 def global_load(moe, gathered):
     """(chosen per expert, kept per expert, dropped share) of the whole batch, from the counts alone:
     a queue keeps min(capacity, arrivals)."""
-    E = moe.n_experts
-    chosen = gathered[:, :, :E].sum(axis=(0, 1))
+    chosen, n_total = batch_totals(moe, gathered)
     capacity = global_capacity(moe, gathered)
     kept = chosen if capacity is None else numpy.minimum(chosen, capacity)
-    n_total = int(gathered[:, 0, E].sum())
     return chosen, kept, 1.0 - kept.sum() / max(n_total * moe.top_k, 1)
 
 
 def update_bias(moe, load) -> None:
-    """Loss-free balancing, after a step: move each expert's routing bias by the rate, up when its
-    load (assignments that chose it, whole batch) is below the mean, down when above."""
+    """Loss-free balancing (DeepSeek-V3), after a step: ``moe.route_bias`` (one float per expert)
+    moves by ``moe.bias_rate`` against ``load``, the whole batch's assignments per expert (any
+    sequence of numbers). The rule is the paper's: handout §3, remedy 4."""
     raise NotImplementedError("TODO 6.5: Nudge every expert's bias by a fixed step against its load: an expert busier than the average becomes less attractive, a quieter one more, one exactly at the average stays.")
 
 

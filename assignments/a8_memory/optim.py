@@ -11,12 +11,11 @@ is a plain function on arrays (``Optimizer.update``), so ZeRO can apply it to a 
 parameter with a shard of its gradient and a shard of its state.
 
 Mixed precision (``--precision bf16|fp16``): the model's parameters and gradients are 16-bit, the
-optimizer works in float32. For a 16-bit parameter the state holds ``master``, a float32 copy of
-it; ``update`` casts the gradient up, applies the rule to the master (with float32 moments) and
-writes the master back into the parameter, rounded: an update smaller than half the parameter's
-spacing (bf16: 2^-8 of its size) still adds up in the master instead of being lost. So AdamW holds
-12 bytes per element (master, m, v) beside the parameter's 2 and the gradient's 2: 2Ψ + 2Ψ + 12Ψ,
-and ZeRO shards the master with the moments, since it is part of the state.
+optimizer's state float32. For a 16-bit parameter the state holds ``master``, a float32 copy of it
+(Micikevicius et al., 2018): an update smaller than half the parameter's spacing (bf16: 2^-8 of its
+size) adds up there instead of being lost. So AdamW holds 12 bytes per element (master, m, v)
+beside the parameter's 2 and the gradient's 2: 2Ψ + 2Ψ + 12Ψ, and ZeRO shards the master with the
+moments, since it is part of the state (assignment 8, task 8.3).
 """
 
 from __future__ import annotations
@@ -67,10 +66,10 @@ class Optimizer:
         raise NotImplementedError("TODO 8.3: A 16-bit parameter's state: the rule's own state, made for a full-precision copy of the parameter, and that copy.")
 
     def update(self, param, grad, state) -> None:
-        """Apply one step to the array ``param`` from ``grad`` and ``state`` (all in place): the
-        rule on ``param`` itself, or, with a float32 ``master`` in the state, on the master with the
-        gradient in float32, and the parameter takes the new master's value, rounded to its dtype.
-        The gradient is divided by ``loss_scale`` first."""
+        """One step of the rule for the array ``param`` (in place), from ``grad`` (``loss_scale``
+        times the loss's gradient; the caller's array stays unchanged) and ``state``. With a float32
+        ``master`` in the state, afterwards the master holds the float32 result and ``param`` (the
+        same array as before) that value in its own dtype."""
         master = state.get("master")
         if master is None:
             self.rule(param, grad / self.loss_scale if self.loss_scale != 1 else grad, state)
@@ -195,12 +194,9 @@ class LossScaler:
     gradients (a mean over many tokens, the gradient of a deep activation) round to zero. So
     backward runs on the loss times ``scale`` (``autograd.loss_scaling``: every gradient comes out
     ``scale`` times larger, into float16's range), and the optimizer divides by it again, in
-    float32 (``Optimizer.loss_scale``). Too large a scale overflows float16's 65504 instead:
-
-        update(found_inf=True)    an inf or NaN in some gradient: the step is skipped (no update)
-                                  and the scale halves (``backoff``)
-        update(found_inf=False)   a clean step; after ``growth_interval`` of them in a row the
-                                  scale doubles (``growth``), to use as much of the range as is safe
+    float32 (``Optimizer.loss_scale``). Too large a scale overflows float16's 65504 instead; the
+    scaler then skips the step and lowers the scale, and raises it again after a run of clean
+    steps (``backoff``, ``growth``, ``growth_interval``; the rule: assignment 8's handout, §4).
 
     PyTorch's GradScaler has the same defaults but a growth interval of 2000 steps; 200 suits runs of
     a few hundred steps. bfloat16 has float32's exponent range and needs no scaling.

@@ -144,12 +144,25 @@ def test_only_the_inputs_are_kept_until_backward(impl):
     plain = seg(x, bias, 2.0, y)
     kept_by_plain = saved_bytes() - before
     del plain
-    out = impl.memory.checkpoint(seg, x, bias, 2.0, y)
+    live = []  # saved_bytes() as the segment's last op has run: in the forward, then in the recompute
+
+    def watched(*args):
+        result = seg(*args)
+        live.append(saved_bytes() - before)
+        return result
+
+    out = impl.memory.checkpoint(watched, x, bias, 2.0, y)
     kept = saved_bytes() - before
     inputs = x.nbytes + bias.nbytes + y.nbytes
     assert kept == inputs < kept_by_plain, (
         f"between forward and backward the segment keeps {kept} bytes; its Tensor inputs are {inputs} "
         f"(a plain call keeps {kept_by_plain}) (seed {seed})"
+    )
+    assert live and live[0] <= inputs, (
+        f"during the checkpoint's forward, as the segment's last op had run, {live[0] if live else '?'} bytes were "
+        f"saved; its Tensor inputs are {inputs} (a plain call keeps {kept_by_plain}): the ops inside recorded a "
+        f"graph while the segment ran, freed only when the forward returned (a Function's forward runs in the "
+        f"caller's grad mode) (seed {seed})"
     )
     out.sum().backward()
     assert saved_bytes() == before, (

@@ -25,8 +25,8 @@ Conventions (Switch Transformer for k = 1, GShard for k = 2):
   loss (``GPT.loss``). ``"bias"`` is DeepSeek-V3's loss-free balancing: no aux loss; a per-expert
   bias ``route_bias`` (not a parameter, no gradient) is added to the probabilities for the top-k
   *choice* only — the combine weights stay the unbiased probabilities — and after each optimizer
-  step moves by ``bias_rate · sign(mean load − load_e)`` against the whole batch's load
-  (``expert_parallel.update_bias``): an overloaded expert becomes less attractive, an idle one more.
+  step moves by steps of ``bias_rate`` against the whole batch's load
+  (``expert_parallel.update_bias``, assignment 6.5).
   ``"none"``: neither (the aux value is still measured and logged).
 - **Router z-loss** (ST-MoE), optional: ``z = mean_t logsumexp(logits_t)²``, added to the aux
   loss with weight ``z_loss`` (default 0). ``GPT.loss`` multiplies the aux loss by
@@ -216,7 +216,7 @@ class MoE(Module):
     def router_loss(self, logits, probs, chosen, n_total, scale=1.0):
         """``scale · (E · Σ_e f_e · P_e + z_loss · Σ_t lse_t² / n_total)`` over these tokens, with
         f_e = chosen[e] / (n_total·k) and P_e = Σ_t probs[t, e] / n_total. One process: n_total = N,
-        scale 1 (the docstring's formulas); expert parallel passes the whole batch's counts and size."""
+        scale 1 (the docstring's formulas)."""
         share = xp.asarray(chosen / (n_total * self.top_k), dtype=probs.dtype)
         loss = (probs.sum(axis=0) * share).sum() * (self.n_experts / n_total)
         if self.z_loss:
