@@ -467,3 +467,84 @@ def test_tree_broadcast_matches_mpi_from_every_root(impl):
                         f"rank {dist.get_rank()}: broadcast received {received} bytes; in a tree "
                         f"every rank but the root receives the buffer exactly once ({want} bytes) {context}"
                     )
+
+
+class _AloneCall:
+    """A stand-in for ``c`` with no MPI behind it: records the steps a generator yields for one
+    rank of a group of any size (a 13-rank tree on a 4-rank machine)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size, self.steps = rank, size, []
+
+    def exchange(self, what, sends=(), recvs=()):
+        self.steps.append(([(buf, p) for buf, p in sends], [(buf, p) for buf, p in recvs]))
+        return self.steps[-1]
+
+    def scratch(self, count, like):
+        return np.empty(count, dtype=like.dtype)
+
+
+def rounds_needed(children: dict[int, list[int]], v: int) -> int:
+    """Rounds until v's subtree holds the data when a rank sends one message per round, its
+    children in the best order (the largest-finishing subtree first): the telephone model."""
+    below = sorted((rounds_needed(children, k) for k in children.get(v, [])), reverse=True)
+    return max((i + 1 + t for i, t in enumerate(below)), default=0)
+
+
+@pytest.mark.task("1.5")
+def test_tree_broadcast_shape_on_groups_up_to_16_ranks(impl):
+    """Each rank's steps, driven without MPI: every rank but the root receives once, from one
+    peer, before it sends; the messages form one tree over the group; the root sends ceil(log2 n)
+    times and the tree reaches every rank in ceil(log2 n) rounds (the least any broadcast can)."""
+    case = Case()
+    for n in (2, 3, 5, 6, 7, 8, 11, 13, int(case.rng.integers(9, 17))):
+        rounds = (n - 1).bit_length()
+        for root in sorted({0, 1, n - 1, n // 2, int(case.rng.integers(0, n))}):
+            context = f"(driving _broadcast_tree alone: group of {n} ranks, root {root}; seed {case.seed})"
+            parent, children = {}, {}
+            for r in range(n):
+                c, flat = _AloneCall(r, n), np.zeros(5)
+                for _ in impl.collectives._broadcast_tree(c, flat, root):
+                    pass
+                sent = [p for sends, _ in c.steps for buf, p in sends]
+                got = [(i, p) for i, (_, recvs) in enumerate(c.steps) for buf, p in recvs]
+                if any(buf is not flat for s, rv in c.steps for buf, _ in (*s, *rv)):
+                    raise AssertionError(f"rank {r}: every message must be flat itself, in place {context}")
+                if r == root:
+                    if got:
+                        raise AssertionError(f"rank {r}: the root received from {[p for _, p in got]} {context}")
+                elif len(got) != 1:
+                    raise AssertionError(
+                        f"rank {r}: received {len(got)} messages (from {[p for _, p in got]}); every rank "
+                        f"but the root receives the buffer exactly once {context}"
+                    )
+                else:
+                    first_send = min((i for i, (s, _) in enumerate(c.steps) if s), default=len(c.steps))
+                    if got[0][0] > first_send:
+                        raise AssertionError(f"rank {r} sends before it has received the data {context}")
+                    parent[r] = got[0][1]
+                children[r] = sent
+            for r, kids in children.items():
+                for k in kids:
+                    if parent.get(k) != r:
+                        raise AssertionError(
+                            f"rank {r} sends to rank {k}, which receives from {parent.get(k, 'nobody')} {context}"
+                        )
+            if len(children[root]) != rounds:
+                raise AssertionError(
+                    f"the root of a binomial-tree broadcast sends ceil(log2 n) = {rounds} messages, this "
+                    f"one sent {len(children[root])} (to {children[root]}) {context}"
+                )
+            reached, todo = {root}, [root]
+            while todo:
+                for k in children[todo.pop()]:
+                    if k not in reached:
+                        reached.add(k)
+                        todo.append(k)
+            if reached != set(range(n)):
+                raise AssertionError(f"the messages never reach ranks {sorted(set(range(n)) - reached)} {context}")
+            if rounds_needed(children, root) > rounds:
+                raise AssertionError(
+                    f"the tree (parents {dict(sorted(parent.items()))}) needs {rounds_needed(children, root)} "
+                    f"rounds of one message per rank; a binomial tree needs ceil(log2 n) = {rounds} {context}"
+                )

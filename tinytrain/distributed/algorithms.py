@@ -9,7 +9,8 @@ are slices of one flat array, cut into chunks by ``chunks.chunk_bounds``.
 
 The other algorithms (recursive doubling and halving-doubling in ``doubling.py``; naive, tree
 reduce, gather, scatter and the student-release stand-ins in ``rooted.py``) and the public
-functions with their argument checks (``collectives.py``) live next door. The last lines of this
+functions with their argument checks (``collectives.py``) live next door; none of them is one
+of the algorithms here. The last lines of this
 file make the public functions (``all_reduce``, ``reduce_scatter``, ...) run the algorithms of
 *this* module: ``tinytrain.distributed`` exports those, and an assignment copy of this file gets
 its own, running the student's algorithms.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 from .chunks import chunk_bounds, combine, split_counts
 from .collectives import Collectives
-from .rooted import tree_children
 from .work import Call
 
 # =================================================================================================
@@ -27,41 +27,38 @@ from .work import Call
 # =================================================================================================
 #
 # n ranks stand in a ring; each sends only to its right neighbour and receives from its left.
-# The buffer is cut into n chunks. Reduce-scatter, n=4, chunk c of rank r written r.c:
+# The buffer is cut into n chunks. Reduce-scatter, n=4: what each rank holds of the chunks'
+# partial sums after each step (x_i: chunk i summed over the ranks listed, "a" = rank 0, ...):
 #
-#   step 0:  rank 0 sends chunk 0 ->, rank 1 sends chunk 1 ->, ...   each adds what it receives
-#   step 1:  rank 0 sends chunk 3 (now 3.3+3.0) ->, rank 1 sends chunk 0 (0.0+0.1) -> ...
-#   step 2:  ...after n-1 steps rank r holds chunk r+1 summed over all ranks:
+#              rank 0          rank 1          rank 2          rank 3
+#   start      a               b               c               d
+#   step 1     d3+a3           a0+b0           b1+c1           c2+d2
+#   step 2     c2+d2+a2        d3+a3+b3        a0+b0+c0        b1+c1+d1
+#   step 3     Σ1              Σ2              Σ3              Σ0        (each sum over all ranks)
 #
-#      rank 0        rank 1        rank 2        rank 3
-#    [ . Σ . . ]   [ . . Σ . ]   [ . . . Σ ]   [ Σ . . . ]
-#
-# Out of place: a rank never writes into its input. The partial sum it receives is combined with
-# its own chunk into a chunk-sized buffer and forwarded from there in the next step; the last sum
-# lands in ``out``. So the public reduce-scatter reads the caller's buffer as it is (no copy of it)
-# and writes only its own piece. Where a rank's bytes go per step: MPI copies one chunk in (N/n),
-# ``combine`` reads it and the rank's own chunk and writes the sum (3 N/n): the reduction costs
-# memory traffic that an all-gather does not have, so a reduce-scatter's busbw stays below the
-# all-gather's when ranks share cores.
+# Out of place: a rank never writes into its input. Partial sums live in chunk-sized buffers;
+# the last one lands in ``out``. So the public reduce-scatter reads the caller's buffer as it is
+# (no copy of it) and writes only its own piece. Where a rank's bytes go per step: MPI copies one
+# chunk in (N/n), ``combine`` reads it and the rank's own chunk and writes the sum (3 N/n): the
+# reduction costs memory traffic that an all-gather does not have, so a reduce-scatter's busbw
+# stays below the all-gather's when ranks share cores.
 #
 # All-gather then circulates the finished chunks n-1 more steps, overwriting instead of adding.
 # Each rank sends n-1 chunks per phase, so all-reduce sends 2(n-1)/n of the buffer per rank,
 # independent of n: the bandwidth-optimal volume.
 #
 # ``shift`` chooses which chunk each rank ends with: rank r ends with chunk (r + 1 + shift) % n.
-# All-reduce uses shift=0; standalone reduce-scatter / all-gather use shift=-1 so rank r owns
-# chunk r (the natural layout for sharding).
+# All-reduce uses shift=0 (the picture above); standalone reduce-scatter / all-gather use
+# shift=-1 so rank r owns chunk r (the natural layout for sharding).
 
 
 def _ring_reduce_scatter(c: Call, flat, bounds, op: str, shift: int, out):
     """Ring reduce-scatter of ``flat`` in n-1 steps, out of place (assignment task 1.1).
 
-    ``bounds[i]`` is the (start, stop) of chunk i in ``flat``, which is only read. Each step is one
-    ``yield c.exchange(what, sends=[(chunk, right)], recvs=[(buffer, left)])``: a step's send and
-    receive are posted together, so no rank waits for another to receive first. The partial sum
-    received is combined (``combine``) with this rank's own chunk and forwarded in the next step;
-    after the last step ``out`` holds chunk (r + 1 + shift) % n reduced over all ranks. ``out`` may
-    be that chunk of ``flat`` itself (the ring all-reduce reduces in place that way).
+    ``bounds[i]`` is the (start, stop) of chunk i in ``flat``, which is only read. Every step sends
+    one chunk to the right neighbour and receives one from the left, posted together in one
+    ``c.exchange``. After the last step ``out`` holds chunk (r + 1 + shift) % n reduced over all
+    ranks (``op``); ``out`` may be that chunk of ``flat`` itself.
     """
     # BEGIN SOLUTION 1.1 "Partial results travel the ring, each hop adding one more contribution, until every member ends with one chunk reduced over all of them; the input is only read." full="Step s sends (step 0: chunk (r-s+shift)%n of flat; later: the sum made the step before) right, receives chunk (r-s-1+shift)%n from the left into a buffer, combines in flat's chunk (the last step into out)."
     n, r = c.size, c.rank
@@ -91,8 +88,8 @@ def _ring_reduce_scatter(c: Call, flat, bounds, op: str, shift: int, out):
 def _ring_all_gather(c: Call, flat, bounds, shift: int, label: str = "ring all-gather"):
     """Ring all-gather in place, in n-1 steps (assignment task 1.2).
 
-    On entry rank r's chunk (r + 1 + shift) % n of ``flat`` is final; on exit every chunk is. Like
-    reduce-scatter, but a received chunk overwrites (it is already finished) instead of adding.
+    On entry rank r's chunk (r + 1 + shift) % n of ``flat`` is final; on exit every chunk is, on
+    every rank. Every step sends one chunk to the right neighbour and receives one from the left.
     """
     # BEGIN SOLUTION 1.2 "Pass the finished chunks around the ring until all ranks hold every one of them; a chunk that arrives is final, so it replaces, never adds." full="Step s sends chunk (r+1+shift-s)%n right and receives chunk (r+shift-s)%n from the left into flat."
     n, r = c.size, c.rank
@@ -109,10 +106,10 @@ def _ring_all_gather(c: Call, flat, bounds, shift: int, label: str = "ring all-g
 
 
 def _all_reduce_ring(c: Call, flat, op: str):
-    """Ring all-reduce = reduce-scatter + all-gather (assignment task 1.3).
+    """Ring all-reduce = reduce-scatter + all-gather (assignment task 1.3), in place on ``flat``.
 
-    Volume sent by rank r with chunk lengths len_i (split_counts):
-    2*N - len_{(r+1)%n} - len_{(r+2)%n} elements, i.e. 2(n-1)/n * N when n divides N."""
+    Any length of ``flat``; every rank sends every chunk but one in each phase, 2(n-1)/n of the
+    buffer when n divides its length."""
     # BEGIN SOLUTION 1.3 "All-reduce as the two ring phases back to back on one cut of the buffer: reduce each chunk in place into its owner's copy, then circulate the finished chunks to everyone." full="Chunks: chunk_bounds(split_counts(flat.size, n)); reduce-scatter into this rank's own chunk of flat (r+1 with shift=0), then all-gather, shift=0."
     bounds = chunk_bounds(split_counts(flat.size, c.size))
     a, b = bounds[(c.rank + 1) % c.size]  # the chunk this rank ends the reduce-scatter with
@@ -125,17 +122,17 @@ def _all_reduce_ring(c: Call, flat, op: str):
 # All-to-all by pairwise exchange
 # =================================================================================================
 #
-# n=4: in step s rank r sends its piece for rank r+s and receives the piece
-# from rank r-s. Every pair talks exactly once in each direction, and no rank ever has more than
-# one message in and one out:
+# n-1 steps; every pair talks exactly once in each direction, and no rank ever has more than one
+# message in and one out. Who holds which blocks when (rank r's block for rank p written r>p):
 #
-#   step 1: 0->1 1->2 2->3 3->0     step 2: 0->2 1->3 2->0 3->1     step 3: 0->3 1->0 2->1 3->2
+#   rank 1 of 4    start: 1>0 1>1 1>2 1>3    after the steps: 0>1 1>1 2>1 3>1 (in rank order)
 
 
 def _all_to_all_pairwise(c: Call, flat, send_bounds, out, recv_bounds):
     """All-to-all by pairwise exchange in n-1 steps (assignment task 1.4).
 
-    ``flat[send_bounds[p]]`` goes to rank p; what rank p sends lands in ``out[recv_bounds[p]]``.
+    ``flat[send_bounds[p]]`` goes to rank p (p = this rank included); what rank p sends lands in
+    ``out[recv_bounds[p]]``. Pieces may be empty.
     """
     # BEGIN SOLUTION 1.4 "Keep your own block, then in n-1 steps trade blocks with one peer each way at a growing distance around the ring, so that every pair talks exactly once in each direction." full="Copy your own piece; step s=1..n-1 sends to rank (r+s)%n and receives from (r-s)%n in one exchange."
     n, r = c.size, c.rank
@@ -156,32 +153,32 @@ def _all_to_all_pairwise(c: Call, flat, send_bounds, out, recv_bounds):
 # Binomial-tree broadcast
 # =================================================================================================
 #
-# Number ranks relative to the root (v = (r - root) mod n). Broadcast, n=8: in round k every rank
-# that already has the data sends it 2^k further:
+# The binomial tree: the number of ranks that hold the data doubles in every round, so
+# ceil(log2 n) rounds instead of the root sending n-1 times. Who holds the data, n=8, root 0:
 #
-#   round 0: 0->1        round 1: 0->2, 1->3        round 2: 0->4, 1->5, 2->6, 3->7
+#   start: 0    round 1: 0 1    round 2: 0 1 2 3    round 3: all eight
 #
-# log2(n) rounds instead of the root sending n-1 times. (rooted.py's reduce runs the same tree
-# backwards.) Works for any n (children past n simply do not exist).
+# Works for any n and any root.
 
 
 def _broadcast_tree(c: Call, flat, root: int):
     """Binomial-tree broadcast of ``flat`` from ``root``, in place (assignment task 1.5).
 
-    Work with ranks relative to the root, v = (rank - root) % n: every rank but the root first
-    receives from its parent, then sends to its children (``tree_children``) in one step.
+    Every rank but the root receives the buffer exactly once; the root sends ceil(log2 n) times.
     """
-    # BEGIN SOLUTION 1.5 "Spread the buffer down a binomial tree: everyone but the source gets it once from above, then forwards it to all of its subtrees at once." full="If v != 0, receive from parent v - (v & -v); then send to each child in tree_children(v, n)."
+    # BEGIN SOLUTION 1.5 "Spread the buffer down a binomial tree: everyone but the source gets it once from above, then forwards it to all of its subtrees at once." full="v = (rank - root) % n; if v != 0, receive from parent v - (v & -v); then send to v + 2^j for each 2^j below v's lowest set bit (the root: every 2^j < n)."
     n = c.size
     v = (c.rank - root) % n
 
     def absolute(u):
         return (u + root) % n
 
+    low = v & -v if v else 1 << n.bit_length()  # v's lowest set bit; the root's is above every distance
     if v:
-        parent = v - (v & -v)  # clear the lowest set bit
+        parent = v - low
         yield c.exchange(f"tree broadcast: receive from rank {absolute(parent)}", recvs=[(flat, absolute(parent))])
-    kids = tree_children(v, n)
+    # v's subtrees: one at every distance 2^j below its lowest set bit, if that rank exists.
+    kids = [v + d for d in (1 << j for j in range(n.bit_length())) if d < low and v + d < n]
     if kids:
         # All children at once (largest subtree first): they all get the same buffer.
         yield c.exchange(

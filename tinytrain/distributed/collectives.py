@@ -175,7 +175,7 @@ class Collectives(AlgorithmSource):
     ):
         """Reduce ``tensor`` onto rank ``dst``, in place there; other ranks' buffers are unchanged.
 
-        algo: ``"tree"`` (binomial), ``"naive"`` (everyone sends to ``dst``).
+        algo: ``"tree"`` (a binary tree, see rooted.py), ``"naive"`` (everyone sends to ``dst``).
         """
         __tracebackhide__ = True  # in pytest, errors point at the caller's line
         g = resolve(group)

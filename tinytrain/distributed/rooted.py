@@ -1,4 +1,4 @@
-"""Algorithms around one root rank: the naive (parameter-server) shapes, binomial-tree reduce,
+"""Algorithms around one root rank: the naive (parameter-server) shapes, binary-tree reduce,
 linear gather and scatter, and the stand-ins a student release falls back to.
 
 The naive shapes are here to be measured against (``algo="naive"``): one rank's link carries
@@ -52,40 +52,34 @@ def reduce_naive(c: Call, flat, root: int, op: str):
 
 
 # =================================================================================================
-# Binomial-tree reduce
+# Tree reduce: a binary tree in heap order
 # =================================================================================================
 #
-# The binomial tree of ``algorithms._broadcast_tree`` (ranks numbered relative to the root,
-# v = (r - root) mod n), run backwards: every rank combines what its children send, then sends
-# the sum to its parent. log2(n) rounds instead of the root receiving n-1 times.
-
-
-def tree_children(v: int, n: int) -> list[int]:
-    """Relative ranks that relative rank v sends to in a binomial broadcast."""
-    low = v & -v if v else 1 << n.bit_length()  # the root may send at every distance
-    kids, mask = [], 1
-    while mask < low and v + mask < n:
-        kids.append(v + mask)
-        mask <<= 1
-    return kids
+# The ranks in heap order, the root first and the others after it in rank order: the rank at
+# place i of that list has the ranks at places 2i+1 and 2i+2 as its children. Every rank combines
+# what its (at most two) children send, then sends the sum to its parent. About log2(n) levels
+# instead of the root receiving n-1 times, and no rank receives more than two buffers (the tree
+# NCCL builds its tree algorithms from). Root 0, n = 7:
+#
+#            0
+#          /   \
+#         1     2
+#        / \   / \
+#       3   4 5   6
 
 
 def reduce_tree(c: Call, flat, root: int, op: str):
-    """Binomial-tree reduce; the result lands in ``flat`` on the root (others' buffers untouched)."""
-    n = c.size
-    v = (c.rank - root) % n
-
-    def absolute(u):
-        return (u + root) % n
-
-    acc = flat if v == 0 else flat.copy()
+    """Binary-tree reduce; the result lands in ``flat`` on the root (others' buffers untouched)."""
+    order = [root] + [p for p in range(c.size) if p != root]  # heap order
+    i = order.index(c.rank)
+    acc = flat if i == 0 else flat.copy()
     tmp = xp_of(flat).empty_like(flat)
-    for kid in tree_children(v, n):  # smallest subtree first: it finishes first
-        yield c.exchange(f"tree reduce: receive from rank {absolute(kid)}", recvs=[(tmp, absolute(kid))])
+    for kid in order[2 * i + 1 : 2 * i + 3]:
+        yield c.exchange(f"tree reduce: receive from rank {kid}", recvs=[(tmp, kid)])
         combine(acc, tmp, op)
-    if v:
-        parent = v - (v & -v)
-        yield c.exchange(f"tree reduce: send to rank {absolute(parent)}", sends=[(acc, absolute(parent))])
+    if i:
+        parent = order[(i - 1) // 2]
+        yield c.exchange(f"tree reduce: send to rank {parent}", sends=[(acc, parent)])
 
 
 # =================================================================================================
@@ -131,20 +125,25 @@ def scatter_linear(c: Call, flat, full, root: int, bounds):
 # its TODOs, so that the grader reports them instead of grading a stand-in.
 
 
+def _piece(buf, bounds, p):
+    """Piece ``p`` of ``buf``: ``bounds[p]`` is its (start, stop)."""
+    a, b = bounds[p]
+    return buf[a:b]
+
+
 def reduce_scatter_standin(c: Call, flat, bounds, op: str, out):
     """Direct reduce-scatter: every rank sends chunk p of ``flat`` (only read) straight to rank p and
     combines the n-1 chunks it receives with its own, in rank order, into ``out``. One step, the
     ring's bytes on every rank (every chunk but its own), but all n-1 messages at once."""
-    n, r = c.size, c.rank
-    a, b = bounds[r]
-    others = [p for p in range(n) if p != r]
-    parts = [c.scratch(b - a, flat) for _ in others]
+    mine = _piece(flat, bounds, c.rank)
+    others = [p for p in range(c.size) if p != c.rank]
+    parts = [c.scratch(mine.size, flat) for _ in others]
     yield c.exchange(
         "direct reduce-scatter stand-in: chunk p to rank p",
-        sends=[(flat[bounds[p][0] : bounds[p][1]], p) for p in others],
+        sends=[(_piece(flat, bounds, p), p) for p in others],
         recvs=list(zip(parts, others)),
     )
-    out[...] = flat[a:b]
+    out[...] = mine
     for part in parts:  # in rank order, so the result does not depend on arrival order
         combine(out, part, op)
 
@@ -153,24 +152,20 @@ def all_gather_standin(c: Call, flat, bounds):
     """Direct all-gather: every rank sends its own chunk (already in place) straight to every other
     rank. One step; the same bytes in all as the ring's, though rank r sends (n-1) times its own
     chunk where the ring sends every chunk but chunk r+1 (the same when chunks are equal)."""
-    n, r = c.size, c.rank
-    a, b = bounds[r]
-    others = [p for p in range(n) if p != r]
+    others = [p for p in range(c.size) if p != c.rank]
     yield c.exchange(
         "direct all-gather stand-in: my chunk to every rank",
-        sends=[(flat[a:b], p) for p in others],
-        recvs=[(flat[bounds[p][0] : bounds[p][1]], p) for p in others],
+        sends=[(_piece(flat, bounds, c.rank), p) for p in others],
+        recvs=[(_piece(flat, bounds, p), p) for p in others],
     )
 
 
 def all_to_all_standin(c: Call, flat, send_bounds, out, recv_bounds):
     """Every message of the all-to-all posted in one step (same volume as pairwise, more at once)."""
-    n, r = c.size, c.rank
-    (sa, sb), (ra, rb) = send_bounds[r], recv_bounds[r]
-    out[ra:rb] = flat[sa:sb]
-    others = [p for p in range(n) if p != r]
+    _piece(out, recv_bounds, c.rank)[...] = _piece(flat, send_bounds, c.rank)
+    others = [p for p in range(c.size) if p != c.rank]
     yield c.exchange(
         "all-to-all stand-in: all messages at once",
-        sends=[(flat[send_bounds[p][0] : send_bounds[p][1]], p) for p in others],
-        recvs=[(out[recv_bounds[p][0] : recv_bounds[p][1]], p) for p in others],
+        sends=[(_piece(flat, send_bounds, p), p) for p in others],
+        recvs=[(_piece(out, recv_bounds, p), p) for p in others],
     )
