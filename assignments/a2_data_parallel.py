@@ -75,8 +75,10 @@ from tinytrain.parallel.wrapper import (
     Wrapper,
     average_op,
     broadcast_parameters,
+    flat_grads,
     flatten,
     grad_or_zeros,
+    recv_into,
     trainable,
     unflatten_into,
 )
@@ -277,7 +279,10 @@ class ParameterServer(Wrapper):
         raise NotImplementedError("TODO 2.4: Gradients from all the others are pushed to the central process, which adds them to its own in a fixed order (not arrival order) and averages: its gradients are then the whole batch's.")
 
     def _pull(self) -> None:
-        raise NotImplementedError("TODO 2.4: The central process hands its current parameters to all the others, which overwrite theirs with them, so every copy starts the next iteration equal.")
+        if self.rank != self.server:  # a worker overwrites its parameters with what the server sends
+            recv_into([p.data for p in self.params], self.server, group=self.group, tag=_PULL)
+            return
+        raise NotImplementedError("TODO 2.4: The central process hands its current parameters to all the others (their receiving end is given above), and returns only when they have them all.")
 
 
 _ROWS = 25  # tag of a sparse push (its row count, indices and rows)
@@ -304,18 +309,15 @@ class SparsePushServer(ParameterServer):
         self.table_bytes = 0  # bytes this rank pushed for its embedding tables
 
     def _push_and_average(self) -> None:
-        grads = flatten([grad_or_zeros(p) for p in self.dense])
+        params, self.params = self.params, self.dense  # the dense gradients: the synchronous server's push
+        try:
+            super()._push_and_average()
+        finally:
+            self.params = params
         if self.rank != self.server:
-            dist.send(grads, self.server, group=self.group, tag=_PUSH)
             for p in self.sparse:
                 self._push_rows(grad_or_zeros(p))
             return
-        incoming = {w: xp.empty_like(grads) for w in self.workers}
-        for w in self.workers:
-            dist.recv(incoming[w], w, group=self.group, tag=_PUSH)
-        for w in self.workers:  # in rank order, as the dense server adds them
-            grads += incoming[w]
-        unflatten_into(grads / self.world_size, [p.grad for p in self.dense])
         for p in self.sparse:
             total = grad_or_zeros(p)
             for w in self.workers:
@@ -403,25 +405,51 @@ class AsyncParameterServer(ParameterServer):
 
     def _push_and_pull(self) -> None:
         """A worker: push my gradient, wait for the parameters the server sends back (mine applied)."""
-        dist.send(flatten([grad_or_zeros(p) for p in self.params]), self.server, group=self.group, tag=_ASYNC_PUSH)
-        flat = xp.empty(sum(p.size for p in self.params), dtype=self.params[0].dtype)
-        dist.recv(flat, self.server, group=self.group, tag=_ASYNC_PULL)
-        unflatten_into(flat, [p.data for p in self.params])
+        dist.send(flat_grads(self.params), self.server, group=self.group, tag=_ASYNC_PUSH)
+        recv_into([p.data for p in self.params], self.server, group=self.group, tag=_ASYNC_PULL)
 
     def _serve(self) -> None:
         """The server: one gradient from every rank this step, each applied as soon as allowed."""
-        own = flatten([grad_or_zeros(p) for p in self.params])
+        own = flat_grads(self.params)
         self.pulled[self.server] = self.version  # my gradient is of the current parameters
         incoming = {w: xp.empty_like(own) for w in self.workers}
         handles = {w: dist.irecv(buf, w, group=self.group, tag=_ASYNC_PUSH) for w, buf in incoming.items()}
         arrived, replies = {self.server: own}, []
-        self._apply_if_allowed(arrived, replies)
+        self._apply_checked(arrived, replies)
         for w in self._arrivals(handles):
             arrived[w] = incoming[w]
-            self._apply_if_allowed(arrived, replies)
+            self._apply_checked(arrived, replies)
+        if arrived:
+            raise RuntimeError(
+                f"asynchronous server: the step ended with the gradients of ranks {sorted(arrived)} never applied "
+                f"(max_staleness={self.max_staleness}): once every gradient has arrived, no bound holds one back"
+            )
         with trace.span("wait_replies", cat="idle"):
             for h in replies:
                 h.wait()
+
+    def _apply_checked(self, arrived: dict, replies: list) -> None:
+        """``_apply_if_allowed``, then a check of what it did, so that a wrong count of replies fails
+        here and now, naming it, instead of as a worker's (or the next step's) receive that times out."""
+        waiting, applied, sent = sorted(arrived), len(self.staleness), len(replies)
+        self._apply_if_allowed(arrived, replies)
+        applied, sent = len(self.staleness) - applied, len(replies) - sent
+        if applied == 0 and sent == 0 and sorted(arrived) == waiting:
+            return  # held back
+        workers = [r for r in waiting if r != self.server]
+        problems = []
+        if applied != len(waiting):
+            problems.append(f"recorded the staleness of {applied} gradients for the {len(waiting)} it had")
+        if sent != len(workers):
+            problems.append(f"sent {sent} replies for the {len(workers)} workers {workers} whose gradients it had")
+        if arrived:
+            problems.append(f"left ranks {sorted(arrived)} in `arrived`, to be applied again by the next update")
+        if problems:
+            raise RuntimeError(
+                f"asynchronous server, version {self.version}: an update of the gradients of ranks {waiting} "
+                + "; ".join(problems)
+                + " (each gradient is applied once, and each worker whose gradient an update applied gets one reply)"
+            )
 
     def _arrivals(self, handles):
         """The workers, each once, in the order their gradients are served."""

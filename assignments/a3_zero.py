@@ -134,8 +134,8 @@ class ZeroStage1(ShardedWrapper):
         self.finish_gradient_sync()
 
     def finish_gradient_sync(self) -> None:
-        """Make every rank's gradient pieces final for this step. Stage 1 reduce-scatters the full
-        gradients now, writing my piece into p.grad itself (a view: no extra memory)."""
+        """After it, every shard's ``s.grad`` is this rank's piece of the gradient averaged over the
+        group, on every rank, whatever gradients this rank's backward produced (none included)."""
         if not self.require_sync:
             return  # accumulate full gradients; the last micro-batch reduce-scatters
         raise NotImplementedError("TODO 3.1: Make this rank's averaged gradient piece of every parameter final, stored inside the full gradient's own memory (no extra array); a parameter without a gradient counts as zeros.")
@@ -164,8 +164,9 @@ class ZeroStage1(ShardedWrapper):
 
 
 class ZeroStage2(ZeroStage1):
-    """ZeRO-2: each gradient is reduce-scattered the moment backward completes it (its
-    post-accumulate hook), overlapping with the rest of backward, and the full p.grad is dropped."""
+    """ZeRO-2: the gradients are sharded too. A full gradient lives only from the moment backward
+    completes it (the engine's post-accumulate hook) until its piece is on its way; its communication
+    overlaps the rest of backward, and ``finish_gradient_sync`` collects the pieces."""
 
     stage = 2
 
@@ -176,7 +177,8 @@ class ZeroStage2(ZeroStage1):
             s.p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _grad_ready(self, p) -> None:
-        """The engine says p.grad is complete; start its reduce-scatter and free p.grad."""
+        """The engine's post-accumulate hook: ``p.grad`` is complete for this backward (it fires for a
+        parameter no gradient reached too, whose ``p.grad`` is then None)."""
         s = self.shard_of[id(p)]
         raise NotImplementedError("TODO 3.2: As soon as this gradient is complete, start averaging it into pieces without waiting, note the work for the later sync, and let the full gradient go.")
 
@@ -258,10 +260,7 @@ class ZeroStage3(ZeroStage2):
         step, and drop the full ones (a module's were reduce-scattered as backward completed them)."""
         if self.module is None:
             for s in self.shards:
-                if s.p.grad is None:
-                    s.p.grad = xp.zeros_like(s.p.data)
-                self.pending.append((s, self._reduce_scatter(s, async_op=True)))
-                s.p.grad = None
+                ZeroStage2._grad_ready(self, s.p)  # what stage 2 does with a complete gradient, now
         super().finish_gradient_sync()
 
     def _param_piece(self, s):

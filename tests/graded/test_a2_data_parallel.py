@@ -23,6 +23,7 @@ from tinytrain import functional as F
 from tinytrain.autograd import Parameter
 from tinytrain.backend import to_host, xp
 from tinytrain.data import shard_rows
+from tinytrain.distributed import work
 from tinytrain.nn import GPT, GPTConfig
 from tinytrain.optim import SGD
 from tinytrain.testing import assert_matches_serial
@@ -108,11 +109,23 @@ def check_same_as(case, model, owner, t):
         )
 
 
-def check_gradients(case, model, want, text):
+def check_gradients(case, model, want, text, n=4):
+    """Each gradient against the serial run's; a clean factor or the opposite sign is named."""
     for name, p in model.named_parameters():
         if name in want:
             got = xp.zeros_like(p.data) if p.grad is None else p.grad
-            assert_matches_serial(got, want[name], 4, case.what(f"{text}: the synchronized gradient of {name}"))
+            diagnosed(got, want[name], n, case.what(f"{text}: the synchronized gradient of {name}"))
+
+
+def diagnosed(got, want, n, what):
+    """``assert_matches_serial``, which names a clean factor (x4, x1/4, ...), and the opposite sign."""
+    try:
+        assert_matches_serial(got, want, n, what)
+    except AssertionError:
+        a, e = np.asarray(to_host(got), dtype=np.float64), np.asarray(want, dtype=np.float64)
+        if a.shape == e.shape and np.allclose(-a, e, rtol=1e-4, atol=1e-6):
+            raise AssertionError(f"{what} is the serial value with the opposite sign (x-1)") from None
+        raise
 
 
 def check_params(case, model, want, text):
@@ -178,6 +191,49 @@ def test_bucketed_ddp_launches_every_bucket_during_backward_in_reverse_order(imp
         f"{[ddp.buckets.index(b) for b in launched]}; launch each as soon as it is full, in bucket order"
     )
     ddp.finish_gradient_sync()
+
+
+@pytest.mark.task("2.2")
+@pytest.mark.world_size(4)
+def test_bucketed_ddp_posts_each_all_reduce_during_backward_and_waits_only_after_it(impl, monkeypatch):
+    """The order of events, not a count: each bucket's all-reduce is posted while the backward of
+    earlier layers still has gradients to produce, and waited for only once backward has ended."""
+    case = Case()
+    rank = dist.get_rank()
+    model = case.model()
+    ddp = impl.data_parallel.BucketedDDP(model, bucket_mb=0.015, poll=True)
+    events = []  # ("ready", p) after the wrapper's own hook, ("post", bucket), ("wait", bucket)
+    for p in ddp.params:
+        p.register_post_accumulate_grad_hook(lambda p: events.append(("ready", id(p))))
+    for b in ddp.buckets:
+        b.launch = (lambda orig, b=b: lambda *a, **k: (events.append(("post", b)), orig(*a, **k))[1])(b.launch)
+    wait = work.Work.wait
+
+    def waiting(w, *args, **kwargs):
+        for b in ddp.buckets:
+            if w is b.work:
+                events.append(("wait", b))
+        return wait(w, *args, **kwargs)
+
+    monkeypatch.setattr(work.Work, "wait", waiting)
+    x, y = (shard_rows(a, rank, 4) for a in case.batch(0))
+    ddp.backward(loss_on(ddp, x, y))
+    last_ready = max(i for i, (kind, _) in enumerate(events) if kind == "ready")
+    for k, b in enumerate(ddp.buckets):
+        posted = [i for i, e in enumerate(events) if e == ("post", b)]
+        waited = [i for i, e in enumerate(events) if e == ("wait", b)]
+        assert posted, case.what(f"bucket {k}'s all-reduce was never posted")
+        if k < len(ddp.buckets) - 1:
+            assert posted[0] < last_ready, case.what(
+                f"bucket {k}'s all-reduce was posted after backward had produced every gradient: post it when "
+                "the bucket is full, while the earlier layers' backward still runs"
+            )
+        assert waited and waited[0] > last_ready, case.what(
+            f"bucket {k}'s all-reduce was waited for "
+            + ("never" if not waited else "while backward was still producing gradients")
+            + ": a blocking (or early-waited) all-reduce hides nothing behind backward; post it asynchronously "
+            "and wait for every bucket only once backward has ended"
+        )
 
 
 @pytest.mark.task("2.2")
@@ -277,20 +333,33 @@ def serial_with_aux(case):
 )
 def test_a_parameter_without_gradient_on_one_rank_still_takes_part(impl, kind):
     """A parameter no rank-3 loss uses has no gradient there (None): rank 3 must still take part in
-    its all-reduce, with zeros, or the ranks' collectives no longer match."""
+    its all-reduce (or its push), with zeros, or the ranks' messages no longer match. (Local SGD is
+    left out: rank 3's own optimizer does not step a parameter without a gradient, so its replica is
+    not the serial run's by design.)"""
     case = Case()
     want = serial_with_aux(case)
     rank = dist.get_rank()
     model = with_aux(case, case.model())
-    ddp = getattr(impl.data_parallel, kind)(model)
     opt = sgd(model)
+    if kind == "ParameterServer":
+        ddp, step = impl.data_parallel.ParameterServer(model, opt), None
+    elif kind == "AsyncParameterServer":  # bound 0: the synchronous server, so the serial run
+        ddp = impl.data_parallel.AsyncParameterServer(model, opt, max_staleness=0, order="seeded", seed=case.seed)
+        step = None
+    else:
+        ddp, step = getattr(impl.data_parallel, kind)(model), opt.step
     for t in range(STEPS):
-        opt.zero_grad()
+        for p in model.parameters():
+            p.grad = None
         x, y = (shard_rows(a, rank, 4) for a in case.batch(t))
         loss = loss_on(ddp, x, y)
         ddp.backward(loss + aux_term(model, 1.0) if USES_AUX[rank] else loss)
-        opt.step()
+        (step or ddp.step)()
     check_params(case, model, want, f"{kind} with a parameter that has no gradient on rank 3")
+
+
+def _no_gradient_on_rank_3(impl, kind):
+    test_a_parameter_without_gradient_on_one_rank_still_takes_part(impl, kind)
 
 
 @pytest.mark.task("2.2")
@@ -377,8 +446,16 @@ def serial_rows(case, n, steps=STEPS):
     return {name: to_host(p.data) for name, p in model.named_parameters()}
 
 
-def train_rows(case, model, wrapper, rank, n, steps=STEPS):
-    for t in range(steps):
+def serial_rows_gradients(case, n):
+    """The serial run's first-step gradients on the rows the n ranks together train on."""
+    model = case.model()
+    x, y = case.batch(0)
+    loss_on(model, x[: ROWS - ROWS % n], y[: ROWS - ROWS % n]).backward()
+    return {name: to_host(p.grad) for name, p in model.named_parameters()}
+
+
+def train_rows(case, model, wrapper, rank, n, steps=STEPS, first=0):
+    for t in range(first, steps):
         for p in model.parameters():
             p.grad = None
         wrapper.backward(loss_on(wrapper, *rows_of(case, t, rank, n)))
@@ -429,7 +506,10 @@ def test_async_server_with_bound_0_is_the_synchronous_serial_run(impl, size):
     server = impl.data_parallel.AsyncParameterServer(
         model, sgd(model), group=group, max_staleness=0, order="seeded", seed=case.seed
     )
-    train_rows(case, model, server, rank, size)
+    train_rows(case, model, server, rank, size, steps=1)
+    if rank == 0:  # bound 0: the first update's gradient is the whole batch's, as the serial run's
+        check_gradients(case, model, serial_rows_gradients(case, size), f"{size} ranks, bound 0", n=size)
+    train_rows(case, model, server, rank, size, first=1)
     want = serial_rows(case, size)
     for name, p in model.named_parameters():
         assert_matches_serial(to_host(p.data), want[name], 4, case.what(f"{size} ranks, bound 0: parameter {name}"))
@@ -505,7 +585,17 @@ def test_local_sgd_with_one_local_step_is_the_serial_run(impl, size):
     model = case.model()
     local = impl.data_parallel.LocalSGD(model, local_steps=1, group=group)
     local.optimizer = sgd(model)  # inner SGD with momentum: linear in the gradient
-    train_rows(case, model, local, rank, size)
+    before = {name: to_host(p.data).copy() for name, p in model.named_parameters()}
+    train_rows(case, model, local, rank, size, steps=1)
+    first = serial_rows(case, size, steps=1)
+    for name, p in model.named_parameters():  # the first outer step's move, against the serial step's
+        diagnosed(
+            to_host(p.data) - before[name],
+            first[name] - before[name],
+            size,
+            case.what(f"H = 1, {size} ranks: the first outer step's change of {name}"),
+        )
+    train_rows(case, model, local, rank, size, first=1)
     want = serial_rows(case, size)
     for name, p in model.named_parameters():
         assert_matches_serial(to_host(p.data), want[name], 4, case.what(f"H = 1, {size} ranks: parameter {name}"))
@@ -547,3 +637,18 @@ def test_diloco_outer_step_moves_the_start_by_nesterov_on_the_average_delta_once
             "per H steps, none in the inner steps"
         )
     assert np.array_equal(to_host(model.wpe.weight.data), frozen), case.what("a frozen parameter moved")
+
+
+# --- the servers with a parameter unused on one rank (after their main tests: those diagnose first) --
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param("ParameterServer", marks=pytest.mark.task("2.4")),
+        pytest.param("AsyncParameterServer", marks=pytest.mark.task("2.5")),
+    ],
+)
+def test_a_server_takes_a_parameter_without_gradient_on_one_rank(impl, kind):
+    _no_gradient_on_rank_3(impl, kind)

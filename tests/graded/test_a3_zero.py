@@ -241,3 +241,47 @@ def test_uneven_pieces_on_3_ranks(impl, stage):
     zero, memory, _, _ = run(impl, case, stage)
     check_params(case, zero, stage)
     check_memory(case, zero, memory, stage)
+
+
+USES_AUX = (True, True, True, False)  # rank 3's loss never touches `aux`: its gradient stays None there
+
+
+def with_aux(case, model):
+    """``model`` plus a parameter ``aux`` whose loss term ranks 0-2 add and rank 3 does not."""
+    from tinytrain.autograd import Parameter
+
+    model.aux = Parameter(xp.asarray(np.random.default_rng(case.seed).normal(size=10).astype(np.float32)))
+    return model
+
+
+@pytest.mark.task("3.1")
+@pytest.mark.world_size(4)
+def test_zero1_a_parameter_without_gradient_on_one_rank_still_takes_part(impl):
+    """Rank 3's backward leaves ``aux.grad`` None: it must still join aux's reduce-scatter, with zeros,
+    and the result must be the serial run's (whose loss adds the aux term with weight 3/4)."""
+    case = Case("sgd")
+    rank = dist.get_rank()
+    serial_model = with_aux(case, case.model())
+    opt = case.optimizer(serial_model)
+    for t in range(STEPS):
+        opt.zero_grad()
+        x, y = case.batch(t)
+        loss = F.cross_entropy(serial_model(xp.asarray(x)), xp.asarray(y))
+        (loss + (serial_model.aux * serial_model.aux).sum() * 0.75).backward()
+        opt.step()
+    model = with_aux(case, case.model())
+    zero = impl.zero.Zero(model, case.optimizer(model), stage=1)
+    for t in range(STEPS):
+        for p in model.parameters():
+            p.grad = None
+        x, y = (shard_rows(a, rank, 4) for a in case.batch(t))
+        loss = F.cross_entropy(zero(xp.asarray(x)), xp.asarray(y))
+        zero.backward(loss + (model.aux * model.aux).sum() if USES_AUX[rank] else loss)
+        zero.step()
+    for name, p in serial_model.named_parameters():
+        assert_matches_serial(
+            to_host(dict(model.named_parameters())[name].data),
+            to_host(p.data),
+            4,
+            case.what(f"ZeRO-1 with a parameter that has no gradient on rank 3: {name}"),
+        )

@@ -1,5 +1,5 @@
 """What every data-parallel strategy is built on: a wrapper around the model, and small helpers on
-its parameters.
+its parameters (one flat message of gradients, receiving one into arrays).
 
 ``NaiveDDP``, ``BucketedDDP`` and ``ParameterServer`` (``data_parallel.py``) and the ZeRO stages
 (``zero.py``) all hold a whole model (or its pieces) and differ only in what they communicate and
@@ -33,6 +33,12 @@ def grad_or_zeros(p):
     return p.grad
 
 
+def flat_grads(params):
+    """This rank's gradients of ``params`` as one flat buffer (a copy; zeros where a parameter got
+    none), in parameter order: what one message carries."""
+    return flatten([grad_or_zeros(p) for p in params])
+
+
 def average_op(buffer, group=None) -> str:
     """The reduce op that averages ``buffer`` over ``group``: ``"avg"`` (sum, then divide). A 16-bit
     buffer (``--precision bf16|fp16``) is divided by the group's size first, in place, and summed
@@ -57,6 +63,14 @@ def unflatten_into(flat, arrays) -> None:
     for a in arrays:
         a[...] = flat[offset : offset + a.size].reshape(a.shape)
         offset += a.size
+
+
+def recv_into(arrays, src: int, group=None, tag: int = 0) -> None:
+    """Receive one flat message from rank ``src`` and copy its consecutive pieces into ``arrays``
+    (the receiving end of sending :func:`flatten` of arrays of the same sizes and dtype)."""
+    flat = xp.empty(sum(a.size for a in arrays), dtype=arrays[0].dtype)
+    dist.recv(flat, src, group=group, tag=tag)
+    unflatten_into(flat, arrays)
 
 
 class Wrapper:
