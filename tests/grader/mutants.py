@@ -216,19 +216,38 @@ MUTANTS = [
         "tree_of_log2_rounds_misses_ranks_when_n_is_not_a_power_of_two",
         "1.5",
         A1,
-        "    kids = tree_children(v, n)\n",
+        "    kids = [v + d for d in (1 << j for j in range(n.bit_length())) if d < low and v + d < n]\n",
         "    kids = [v + (1 << k) for k in range(int(__import__('math').log2(n)))"
         " if v < (1 << k) and v + (1 << k) < n]\n",
-        "timed out|group of world ranks \\[\\d, \\d, \\d\\]",
+        "timed out|group of world ranks \\[\\d, \\d, \\d\\]|which receives from",
     ),
     M(
         "root_sends_to_everyone",
         "1.5",
         A1,
-        "        parent = v - (v & -v)  # clear the lowest set bit\n",
+        "        parent = v - low\n",
         "        parent = 0\n",
         "binomial-tree broadcast sends ceil\\(log2 n\\)",
-        more=(("    kids = tree_children(v, n)\n", "    kids = list(range(1, n)) if v == 0 else []\n"),),
+        more=(
+            (
+                "    kids = [v + d for d in (1 << j for j in range(n.bit_length())) if d < low and v + d < n]\n",
+                "    kids = list(range(1, n)) if v == 0 else []\n",
+            ),
+        ),
+    ),
+    M(
+        "binary_heap_tree_as_in_the_tree_reduce",
+        "1.5",
+        A1,
+        "        parent = v - low\n",
+        "        parent = (v - 1) // 2\n",
+        "binomial-tree broadcast sends ceil\\(log2 n\\)|needs \\d+ rounds",
+        more=(
+            (
+                "    kids = [v + d for d in (1 << j for j in range(n.bit_length())) if d < low and v + d < n]\n",
+                "    kids = [k for k in (2 * v + 1, 2 * v + 2) if k < n]\n",
+            ),
+        ),
     ),
     M(
         "broadcast_wrong_on_one_rank_only",
@@ -278,6 +297,15 @@ MUTANTS += [
         "must raise",
     ),
     M(
+        "bucketed_waits_for_each_all_reduce_in_the_hook",
+        "2.2",
+        A2,
+        "        bucket.ready.add(id(p))\n        self._launch_full_buckets()\n",
+        "        bucket.ready.add(id(p))\n        self._launch_full_buckets()\n"
+        "        for b in self.buckets[: self.next_to_launch]:\n            b.work.wait()\n",
+        "waited for while backward",
+    ),
+    M(
         "bucketed_launches_only_at_the_end",
         "2.2",
         A2,
@@ -305,17 +333,25 @@ MUTANTS += [
         "server_forgets_its_own_gradient",
         "2.4",
         A2,
-        "        for w in self.workers:  # rank order",
-        "        grads[...] = 0\n        for w in self.workers:  # rank order",
+        "        for work in incoming:  # rank order",
+        "        grads[...] = 0\n        for work in incoming:  # rank order",
         "server.*off from the serial run",
     ),
     M(
-        "worker_ignores_the_pulled_parameters",
+        "server_pulls_its_gradients_instead_of_its_parameters",
         "2.4",
         A2,
-        "            unflatten_into(flat, [p.data for p in self.params])",
-        "            pass",
-        "\\[rank [123]\\] after step 1, parameter .* differs from rank 0's",
+        "        flat = flatten([p.data for p in self.params])\n        handles",
+        "        flat = flatten([p.grad for p in self.params])\n        handles",
+        "'NoneType' object has no attribute|\\[rank [123]\\] after step 1, parameter .* differs from rank 0's",
+    ),
+    M(
+        "server_averages_over_the_workers_only",
+        "2.4",
+        A2,
+        "        grads /= self.world_size\n",
+        "        grads /= self.world_size - 1\n",
+        "x4/3",
     ),
     M(
         "async_ignores_the_staleness_bound",
@@ -339,7 +375,15 @@ MUTANTS += [
         A2,
         "        total /= len(ranks)\n",
         "",
-        "bound 0: parameter",
+        "bound 0: the synchronized gradient .*x4",
+    ),
+    M(
+        "async_reapplies_old_gradients",
+        "2.5",
+        A2,
+        "        arrived.clear()\n",
+        "",
+        "applied again|replies",
     ),
     M(
         "outer_step_sums_the_deltas",
@@ -347,7 +391,15 @@ MUTANTS += [
         A2,
         'dist.all_reduce(delta, op="avg"',
         'dist.all_reduce(delta, op="sum"',
-        "H = 1|outer step",
+        "first outer step's change .*x4",
+    ),
+    M(
+        "outer_step_with_the_delta_reversed",
+        "2.6",
+        A2,
+        "        delta = self.start.data - flatten([p.data for p in self.params])\n",
+        "        delta = flatten([p.data for p in self.params]) - self.start.data\n",
+        "opposite sign",
     ),
     M(
         "outer_step_leaves_the_replicas_where_they_are",
@@ -369,6 +421,15 @@ MUTANTS += [
         'return dist.reduce_scatter(flat, op="avg"',
         'return dist.reduce_scatter(flat, op="sum"',
         "x4",
+    ),
+    M(
+        "zero_assumes_every_parameter_has_a_gradient",
+        "3.1",
+        A3,
+        "            if s.p.grad is None:\n                s.p.grad = xp.zeros_like(s.p.data)\n"
+        "            s.grad = self._reduce_scatter",
+        "            s.grad = self._reduce_scatter",
+        "no gradient on rank 3|NoneType|reduce_scatter",
     ),
     M(
         "zero_forgets_the_all_gather",
@@ -467,19 +528,19 @@ MUTANTS += [
         "column|input gradient",
     ),
     M(
-        "parallel_mlp_forgets_dropout",
+        "parallel_attention_forgets_dropout",
         "4.3",
         _TPL,
-        "        return self.dropout(self.fc_2(F.gelu(self.fc_1(x))), self.p, self.training)",
-        "        return self.fc_2(F.gelu(self.fc_1(x)))",
-        "MLP|dropout",
+        "        return self.dropout(self.proj(y), self.p, self.training)\n",
+        "        return self.proj(y)\n",
+        "attention|dropout|output",
     ),
     M(
         "attention_enters_once_per_projection",
         "4.3",
         _TPL,
-        "            y = F.linear(x, linear.weight, linear.bias)",
-        "            y = linear(x)",
+        "self.split_heads(F.linear(x, lin.weight, lin.bias))",
+        "self.split_heads(lin(x))",
         "input gradient, .*\\d+ heads",
     ),
     # The bugs below show only in a fixed case of the graded tests, not in every draw.
@@ -495,16 +556,16 @@ MUTANTS += [
         "attention_merges_heads_without_transposing",  # (B, h, T, D) -> (B, T, C) is a plain reshape for h = 1
         "4.3",
         _TPL,
-        "        y = y.transpose(1, 2).reshape(B, T, C)\n",
-        "        y = y.reshape(B, T, C)\n",
+        "        y = y.transpose(1, 2).reshape(B, T, H * D)",
+        "        y = y.reshape(B, T, H * D)",
         "output, .*2 heads per rank",
     ),
     M(
         "attention_splits_heads_without_transposing",  # (B, T, C) -> (B, h, T, D) is a plain reshape for h = 1
         "4.3",
         _TPL,
-        "heads.append(y.reshape(B, T, self.n_head, C // self.n_head).transpose(1, 2))",
-        "heads.append(y.reshape(B, self.n_head, T, C // self.n_head))",
+        "self.split_heads(F.linear(x, lin.weight, lin.bias))",
+        "F.linear(x, lin.weight, lin.bias).reshape(x.shape[0], self.n_head, x.shape[1], -1)",
         "output, .*2 heads per rank",
     ),
     M(
@@ -514,6 +575,14 @@ MUTANTS += [
         'target_logit = dist.all_reduce(picked, group=group, algo="ring")',
         'target_logit = dist.all_reduce(picked, algo="ring")',
         "loss, mesh-2x2",
+    ),
+    M(
+        "cross_entropy_backward_onehot_where_not_owned",  # the serial gradient, on every rank's columns
+        "4.4",
+        A4 + "cross_entropy.py",
+        "ops.nll_grad(probs, local, mine, valid * (grad / ctx.denom))",
+        "ops.nll_grad(probs, local, valid, valid * (grad / ctx.denom))",
+        "grad|logits|loss",
     ),
     M(
         "vocab_embedding_does_not_mask",
@@ -647,6 +716,30 @@ MUTANTS += [
         "interleaved|chunk",
     ),
     M(
+        "interleaved_group_in_reverse_microbatch_order",
+        "5.4",
+        _PS,
+        "microbatch = (k // group) * stages + k % stages",
+        "microbatch = (k // group) * stages + (stages - 1 - k % stages)",
+        "interleaved|micro-batch|order",
+    ),
+    M(
+        "interleaved_backward_pairs_with_the_wrong_pass",
+        "5.4",
+        _PS,
+        '            actions += [nth(warmup + k, "F"), nth(k, "B")]',
+        '            actions += [nth(warmup + k, "F"), nth(k + (k % 2 if k + 1 < total - warmup else 0), "B")]',
+        "interleaved|micro-batch|order|deadlock",
+    ),
+    M(
+        "zb_h1_final_weight_passes_reversed",
+        "5.6",
+        _PS,
+        'split += [Action("W", j) for j in range(max(0, microbatches - s), microbatches)]',
+        'split += [Action("W", j) for j in reversed(range(max(0, microbatches - s), microbatches))]',
+        "zb_h1|micro-batch|order",
+    ),
+    M(
         "split_b_runs_the_whole_backward",
         "5.5",
         _PE,
@@ -661,6 +754,23 @@ MUTANTS += [
         "            self.weight_work.pop((mb, chunk))()",
         "            self.weight_work.pop((mb, chunk))",
         "no gradient|every W",
+    ),
+    M(
+        "split_work_keyed_by_microbatch_only",
+        "5.5",
+        _PE,
+        "self.weight_work[(mb, chunk)] = backward_inputs(",
+        "self.weight_work[mb] = backward_inputs(",
+        "found no work|chunk|gradient of",
+        more=(("            self.weight_work.pop((mb, chunk))()", "            self.weight_work.pop(mb)()"),),
+    ),
+    M(
+        "split_first_stage_b_runs_the_whole_backward",
+        "5.5",
+        _PE,
+        "backward_inputs(out, [leaf] if leaf is not None else [], grad)",
+        "(backward_inputs(out, [leaf], grad) if leaf is not None else (out.backward(grad) or (lambda: None)))",
+        "first W|weight gradients to W",
     ),
     M(
         "zb_h1_runs_w_right_after_b",
@@ -690,8 +800,8 @@ MUTANTS += [
         "aux_loss_from_local_counts",
         "6.1",
         _ER,
-        "    n_total = int(gathered[:, 0, E].sum())\n    aux = moe.router_loss(",
-        "    n_total = int(tokens.shape[0])\n    aux = moe.router_loss(",
+        "*batch_totals(moe, gathered),",
+        "batch_totals(moe, gathered)[0], tokens.shape[0],",
         "aux|load",
     ),
     M(
@@ -758,8 +868,8 @@ MUTANTS += [
         "aux_counts_only_first_choices",  # Switch's f_e (top-1) under top-2: right for k = 1 only
         "6.1",
         _ER,
-        "    chosen = gathered[:, :, :E].sum(axis=(0, 1))\n    n_total",
-        "    chosen = gathered[:, 0, :E].sum(axis=0)  # the tokens sent to each expert\n    n_total",
+        "*batch_totals(moe, gathered),",
+        "gathered[:, 0, :E].sum(axis=0), batch_totals(moe, gathered)[1],  # the tokens sent to each expert\n",
         "aux loss",
     ),
     M(
@@ -786,7 +896,7 @@ MUTANTS += [
         "    if rows.shape[0] == 0:  # all my assignments dropped: nothing to dispatch\n"
         "        return rows, [0] * P, [0] * P\n"
         "    mine = numpy.ascontiguousarray(counts.reshape(P, per).astype(numpy.int64))\n",
-        "split sizes.*empty-pieces",
+        "(split sizes|bytes by all-to-all).*empty-pieces",  # rank 2's split sizes, or the bytes where they match
     ),
     M(
         "dropless_counts_exchange_over_the_world",  # right when the EP group is the world
@@ -864,6 +974,14 @@ MUTANTS += [
                 "            wait_all(works)\n            kv = incoming\n    # every query",
             ),
         ),
+    ),
+    M(
+        "ring_waits_right_after_posting",  # right values, bytes and post-before-compute, but no overlap
+        "7.2",
+        _CR,
+        "            incoming, works = pass_on(kv, group, TAG_KV)  # posted first: it travels while I compute\n",
+        "            incoming, works = pass_on(kv, group, TAG_KV)\n            wait_all(works)\n",
+        "waited for the K/V",
     ),
     M(
         "ring_labels_blocks_in_the_wrong_direction",
@@ -951,16 +1069,24 @@ MUTANTS += [
         "contiguous_instead_of_zigzag",
         "7.4",
         A7 + "split.py",
-        "    return [rank, 2 * n - 1 - rank]",
+        "    return [rank, n_chunks(n, split) - 1 - rank]",
         "    return [2 * rank, 2 * rank + 1]",
         "zigzag|chunks",
+    ),
+    M(
+        "zigzag_late_chunk_first",  # the right chunks, the positions not sorted
+        "7.4",
+        A7 + "split.py",
+        "    return [rank, n_chunks(n, split) - 1 - rank]",
+        "    return [n_chunks(n, split) - 1 - rank, rank]",
+        "sorted",
     ),
     M(
         "zigzag_mirror_off_by_one",
         "7.4",
         A7 + "split.py",
-        "    return [rank, 2 * n - 1 - rank]",
-        "    return [rank, 2 * n - 2 - rank]",
+        "    return [rank, n_chunks(n, split) - 1 - rank]",
+        "    return [rank, n_chunks(n, split) - 2 - rank]",
         "zigzag|chunks",
     ),
     M(
@@ -1013,6 +1139,14 @@ MUTANTS += [
         "context\\('backward'\\)",
     ),
     M(
+        "forward_records_the_segment_graph",  # freed when forward returns: only the peak shows it
+        "8.1",
+        A8_CHECKPOINT,
+        '        with segment.enter("forward"), no_grad(), _random.segment():',
+        '        with segment.enter("forward"), _random.segment():',
+        "during the checkpoint's forward",
+    ),
+    M(
         "scale_grows_one_step_late",
         "8.2",
         A8_OPTIM,
@@ -1048,18 +1182,18 @@ MUTANTS += [
         "unscaled_in_16_bit",  # a gradient only the scale kept above float16's underflow flushes to 0
         "8.3",
         A8_OPTIM,
-        "        grad = grad.astype(xp.float32)  # a copy: the rule may change it\n"
-        "        if self.loss_scale != 1:\n            grad *= 1 / self.loss_scale\n",
+        "        g32 = grad.astype(xp.float32)  # a copy: the rule may change it\n"
+        "        if self.loss_scale != 1:\n            g32 *= 1 / self.loss_scale\n",
         "        if self.loss_scale != 1:\n            grad = grad * (1 / self.loss_scale)\n"
-        "        grad = grad.astype(xp.float32)\n",
+        "        g32 = grad.astype(xp.float32)\n",
         "2\\^-26",
     ),
     M(
         "rule_on_the_16_bit_parameter",  # updates below the parameter's spacing are lost
         "8.3",
         A8_OPTIM,
-        "        self.rule(master, grad, state)\n        param[...] = master",
-        "        self.rule(param, grad.astype(param.dtype), state)\n        master[...] = param",
+        "        self.rule(master, g32, state)\n        param[...] = master",
+        "        self.rule(param, g32.astype(param.dtype), state)\n        master[...] = param",
         "master|rounds",
     ),
     M(
