@@ -22,7 +22,7 @@ its own, running the student's algorithms.
 
 from __future__ import annotations
 
-from tinytrain.distributed.chunks import chunk_bounds, combine, split_counts
+from tinytrain.distributed.chunks import chunk_bounds, combine, ring_neighbours, split_counts
 from tinytrain.distributed.collectives import Collectives
 from tinytrain.distributed.work import Call
 
@@ -64,7 +64,7 @@ def _ring_reduce_scatter(c: Call, flat, bounds, op: str, shift: int, out):
     ``c.exchange``. After the last step ``out`` holds chunk (r + 1 + shift) % n reduced over all
     ranks (``op``); ``out`` may be that chunk of ``flat`` itself.
     """
-    raise NotImplementedError("TODO 1.1: Partial results travel the ring, each hop adding one more contribution, until every member ends with one chunk reduced over all of them; the input is only read.")
+    raise NotImplementedError("TODO 1.1: On return, out holds this rank's chunk of the reduction over all ranks (which chunk: the docstring says); flat is only read, and a rank talks only to its ring neighbours.")
 
 
 def _ring_all_gather(c: Call, flat, bounds, shift: int, label: str = "ring all-gather"):
@@ -73,7 +73,7 @@ def _ring_all_gather(c: Call, flat, bounds, shift: int, label: str = "ring all-g
     On entry rank r's chunk (r + 1 + shift) % n of ``flat`` is final; on exit every chunk is, on
     every rank. Every step sends one chunk to the right neighbour and receives one from the left.
     """
-    raise NotImplementedError("TODO 1.2: Pass the finished chunks around the ring until all ranks hold every one of them; a chunk that arrives is final, so it replaces, never adds.")
+    raise NotImplementedError("TODO 1.2: On return, every rank's flat holds every rank's finished chunk; a rank talks only to its ring neighbours.")
 
 
 def _all_reduce_ring(c: Call, flat, op: str):
@@ -81,7 +81,7 @@ def _all_reduce_ring(c: Call, flat, op: str):
 
     Any length of ``flat``; every rank sends every chunk but one in each phase, 2(n-1)/n of the
     buffer when n divides its length."""
-    raise NotImplementedError("TODO 1.3: All-reduce as the two ring phases back to back on one cut of the buffer: reduce each chunk in place into its owner's copy, then circulate the finished chunks to everyone.")
+    raise NotImplementedError("TODO 1.3: On return, flat holds the reduction over all ranks, on every rank, in place, by the two ring phases of this file.")
 
 
 # =================================================================================================
@@ -100,7 +100,7 @@ def _all_to_all_pairwise(c: Call, flat, send_bounds, out, recv_bounds):
     ``flat[send_bounds[p]]`` goes to rank p (p = this rank included); what rank p sends lands in
     ``out[recv_bounds[p]]``. Pieces may be empty.
     """
-    raise NotImplementedError("TODO 1.4: Keep your own block, then in n-1 steps trade blocks with one peer each way at a growing distance around the ring, so that every pair talks exactly once in each direction.")
+    raise NotImplementedError("TODO 1.4: On return, block p of out holds the block rank p addressed to this rank; every pair of ranks exchanges exactly once each way, one peer each way per step.")
 
 
 # =================================================================================================
@@ -120,7 +120,7 @@ def _broadcast_tree(c: Call, flat, root: int):
 
     Every rank but the root receives the buffer exactly once; the root sends ceil(log2 n) times.
     """
-    raise NotImplementedError("TODO 1.5: Spread the buffer down a binomial tree: everyone but the source gets it once from above, then forwards it to all of its subtrees at once.")
+    raise NotImplementedError("TODO 1.5: On return, every rank holds the root's buffer; every rank but the root received it exactly once, and the whole broadcast takes about log2(n) rounds.")
 
 
 # =================================================================================================

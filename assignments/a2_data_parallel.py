@@ -195,7 +195,7 @@ class BucketedDDP(_Replicated):
         """Called by the autograd engine the moment ``p.grad`` is complete for this backward."""
         if not self.require_sync:
             return  # no_sync(): let the gradient accumulate; the last micro-batch communicates
-        raise NotImplementedError("TODO 2.2: Record that this parameter's gradient is complete (a second time before a sync is an error), then start every one of the buckets that is now complete, strictly in launch order, and help the async work along when asked to.")
+        raise NotImplementedError("TODO 2.2: Each bucket's averaging is under way as soon as all its gradients are complete, in the same bucket order on every rank; a gradient completed twice before a sync is an error.")
 
     def _launch_full_buckets(self) -> None:
         # Strictly in bucket order: every rank must start its collectives in the same order, even
@@ -206,7 +206,7 @@ class BucketedDDP(_Replicated):
 
     def finish_gradient_sync(self) -> None:
         """Launch what backward did not fill (unused parameters), then wait for every bucket."""
-        raise NotImplementedError("TODO 2.2: Start whatever backward left unfilled (parameters that got no gradient), wait until all the averaging is done and the results are back in place, and be set to begin the next backward from the first one again.")
+        raise NotImplementedError("TODO 2.2: On return every gradient holds its average, those of buckets no gradient reached included, and the next backward starts afresh.")
 
     def remove_hooks(self) -> None:
         for h in self.hooks:
@@ -276,13 +276,13 @@ class ParameterServer(Wrapper):
         return clip_grad_norm_(self.params, 0.0)  # (max_norm 0: measures, clips nothing)
 
     def _push_and_average(self) -> None:
-        raise NotImplementedError("TODO 2.4: Gradients from all the others are pushed to the central process, which adds them to its own in a fixed order (not arrival order) and averages: its gradients are then the whole batch's.")
+        raise NotImplementedError("TODO 2.4: On return the central process's gradients are the whole batch's average, bit for bit the same whatever order the pushes arrive in.")
 
     def _pull(self) -> None:
         if self.rank != self.server:  # a worker overwrites its parameters with what the server sends
             recv_into([p.data for p in self.params], self.server, group=self.group, tag=_PULL)
             return
-        raise NotImplementedError("TODO 2.4: The central process hands its current parameters to all the others (their receiving end is given above), and returns only when they have them all.")
+        raise NotImplementedError("TODO 2.4: On return every worker holds the central process's current parameters.")
 
 
 _ROWS = 25  # tag of a sparse push (its row count, indices and rows)
@@ -472,7 +472,7 @@ class AsyncParameterServer(ParameterServer):
                 yield w
 
     def _apply_if_allowed(self, arrived: dict, replies: list) -> None:
-        raise NotImplementedError("TODO 2.5: Hold the gradients back while applying them would leave the next gradient of a rank that has not pushed more than the bound behind; otherwise average what arrived (in rank order) into one update, record how stale each was, step, and send each worker whose gradient was in it the new parameters.")
+        raise NotImplementedError("TODO 2.5: Updates come as early as the staleness bound allows and never later than it requires, each the average of what arrived; every worker whose gradient an update applied gets the new parameters.")
 
 
 # ================================================================================================
@@ -522,4 +522,4 @@ class LocalSGD(Wrapper):
             count_bytes(self, self.outer_step, "all_reduce")
 
     def outer_step(self) -> None:
-        raise NotImplementedError("TODO 2.6: The outer gradient is how far the replicas moved from the shared start, averaged over them in one collective; the outer optimizer moves the start by it, and every replica continues from the new start.")
+        raise NotImplementedError("TODO 2.6: The outer optimizer takes one step on the shared start from the replicas' averaged movement (DiLoCo's outer gradient), and every replica continues from the new start.")

@@ -149,7 +149,7 @@ class ZeroStage1(ShardedWrapper):
         for s in self.shards:
             if s.grad is None:
                 continue
-            raise NotImplementedError("TODO 3.1: Step this rank's slice of the weights alone with the serial rule, creating the rule's memory for that slice (its moments) on first use.")
+            raise NotImplementedError("TODO 3.1: Only this rank's slice of the weights takes the serial rule's step, with that rule's state kept for the slice alone.")
             s.grad = None  # used up (stage 1: a view of p.grad, which zero_grad() drops)
         self._after_update()
 
@@ -180,7 +180,7 @@ class ZeroStage2(ZeroStage1):
         """The engine's post-accumulate hook: ``p.grad`` is complete for this backward (it fires for a
         parameter no gradient reached too, whose ``p.grad`` is then None)."""
         s = self.shard_of[id(p)]
-        raise NotImplementedError("TODO 3.2: As soon as this gradient is complete, start averaging it into pieces without waiting, note the work for the later sync, and let the full gradient go.")
+        raise NotImplementedError("TODO 3.2: From the moment this gradient is complete its averaging into pieces is under way, the later sync can find it, and the full gradient is no longer held.")
 
     def finish_gradient_sync(self) -> None:
         """Wait for the reduce-scatters; add each piece to the pieces of earlier micro-batches."""
@@ -242,7 +242,7 @@ class ZeroStage3(ZeroStage2):
     @contextlib.contextmanager
     def gathered(self, shards):
         """The full values of ``shards``' parameters for the with-block; freed afterwards."""
-        raise NotImplementedError("TODO 3.3: For the with-block only, every listed parameter holds its full value, assembled from all ranks' pieces, with the bytes held counted (and their high-water mark); afterwards, even on error, they hold nothing again.")
+        raise NotImplementedError("TODO 3.3: Inside the block every listed parameter holds its full value and the bytes held are counted (with their high-water mark); afterwards, even on error, they hold nothing again.")
 
     def _grad_ready(self, p) -> None:
         """Called after each unit's backward that uses p: a tied weight waits for its last user. A

@@ -1,9 +1,9 @@
 """How much of a solution a student copy already holds: its expressions found elsewhere in the copy.
 
 ``python -m grader hints`` counts the names a stub's hint gives; this counts the *code* the rest
-of the copy gives. A handout that says "in step *s* rank *r* sends chunk *(r + 1 + shift − s) mod
-n*", or a framework stand-in that is the task's algorithm run backwards, can be transcribed line
-for line even when the hint is brief. For every solution region this lists its non-trivial
+of the copy gives. A handout that gives a per-step index formula ("at step *k* node *i* takes item
+*(i + 2k) mod m*"), or a framework stand-in that is the task's algorithm run backwards, can be
+transcribed line for line even when the hint is brief. For every solution region this lists its non-trivial
 expressions and statements that also occur in the copy a student gets at that hint level::
 
     python -m grader leaks                  # each region's share, the median and the worst
@@ -15,8 +15,8 @@ What is compared (both sides normalized the same way):
 * a solution's *units*: every expression and simple statement of its region (a compound
   statement's header: a ``for``'s target and iterable, an ``if``'s test) that does at least
   ``MIN_OPS`` operations (calls, arithmetic, comparisons, subscripts, ...): ``x.y`` or ``f(a)``
-  alone is no give-away, ``(r + 1 + shift - s) % n`` is;
-* normalized: variable names become placeholders in order of use (``s`` and ``step`` read
+  alone is no give-away, ``(i + 2 * k) % m`` is;
+* normalized: variable names become placeholders in order of use (``k`` and ``step`` read
   alike), strings become one placeholder, spacing goes, and operands of ``+``/``-``, ``*``,
   ``and``/``or``, ``==`` and the bit operators are put in one order (``a + b`` is ``b + a``;
   ``a > b`` is ``b < a``); the names of attributes, keywords and called functions stay (they are
@@ -50,7 +50,7 @@ from .stubs import HINT_LEVELS, assignment_texts, find_regions, released_referen
 MEDIAN_LIMIT = 0.10
 REGION_LIMIT = 0.25
 # Operations a unit does before it counts: `a[i]`, `f(x)` or `range(n - 1)` alone gives nothing
-# away, `(r + 1 + shift - s) % n` does; a statement (`out = f(x[i])`) counts from one fewer.
+# away, `(i + 2 * k) % m` does; a statement (`out = f(x[i])`) counts from one fewer.
 MIN_OPS = 3
 MIN_STATEMENT_OPS = 2
 
@@ -194,6 +194,8 @@ class _Canon:
             return f"{f(node.target)} := {f(node.value)}"
         if isinstance(node, ast.JoinedStr):
             return "S"
+        if isinstance(node, (ast.Yield, ast.YieldFrom, ast.Await)):
+            return f"{type(node).__name__} " + (f(node.value) if node.value is not None else "")
         return type(node).__name__  # anything else: its kind only
 
     def comprehension(self, g) -> str:
@@ -281,8 +283,9 @@ def _parse(text: str):
 def _prose_candidates(line: str) -> list[str]:
     """Spans of a prose line that may be formulas: each run between two word edges that holds an operator.
 
-    Markdown's emphasis (``*s*``) is dropped first; what is left is tried from every word to every
-    later word, so "sends chunk (r + 1 + shift - s) % n to" yields ``(r + 1 + shift - s) % n``.
+    Markdown's emphasis (``*k*``) is dropped first; what is left is tried from every word to every
+    later word, so "takes item (i + 2k) % m next" yields ``(i + 2k) % m``... and ``(i + 2 * k) % m``
+    where the product is written out.
     """
     plain = re.sub(r"(?<![\w*])\*(?!\s)|(?<!\s)\*(?![\w*])", " ", _math_to_python(line))
     if not re.search(r"[-+*/%<>=&|^]|//", plain):

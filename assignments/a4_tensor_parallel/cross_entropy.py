@@ -35,11 +35,11 @@ class VocabParallelCrossEntropy(Function):
 
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start, ignore_index=-100, denominator=None):
-        raise NotImplementedError("TODO 4.4: The mean loss over non-ignored positions from vocabulary-split scores, never building the full ones: a global max for stability, the global softmax normaliser, and the correct class's score from whichever rank owns it; keep the softmax for backward.")
+        raise NotImplementedError("TODO 4.4: The serial mean loss over the non-ignored positions, exact and stable, without any rank building the full scores; keep what backward needs.")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.4: Purely on this rank: the serial loss's gradient, on the scores this rank holds, with the one-hot only where it owns the correct class.")
+        raise NotImplementedError("TODO 4.4: This rank's columns of the serial loss's gradient, with no communication.")
 
 
 def vocab_parallel_cross_entropy(logits, targets, group, vocab_start, ignore_index=-100, denominator=None):

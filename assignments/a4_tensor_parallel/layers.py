@@ -190,7 +190,7 @@ class RowParallelLinear(Parallel):
         )
 
     def forward(self, x):
-        raise NotImplementedError("TODO 4.2: Multiply this rank's slice of the input features by its rows, combine the partial results on leaving the region, and only then add the replicated additive term, so that it counts once.")
+        raise NotImplementedError("TODO 4.2: The full output on every rank from the rows of the matrix this rank holds, with the replicated additive term counted exactly once.")
 
 
 # --- 4.3 parallel MLP and attention ----------------------------------------------------------------
@@ -228,7 +228,7 @@ class ParallelAttention(Parallel):
     split_heads = CausalSelfAttention.split_heads  # the serial layout (B, heads, T, head size), my n_head heads
 
     def forward(self, x):
-        raise NotImplementedError("TODO 4.3: Attention with each head wholly on one rank: go into the region a single time for all three projections, compute attention on this rank's share, then the output projection and the serial-matching random mask.")
+        raise NotImplementedError("TODO 4.3: The serial attention's output, random mask included, with this rank computing only its own heads: one all-reduce forward and one backward.")
 
 
 class ReplicatedLayerNorm(Parallel):

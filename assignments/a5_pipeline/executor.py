@@ -84,7 +84,7 @@ class PipelineStep:
         self.pending = []  # isend handles; their buffers must live until they complete
         self.turned: dict = {}  # (mb, "F" or "B") -> what a V's bottom hands its other chunk, no message
         self.split = any(a.kind == "W" for a in actions)  # B is the input's gradient only, W the rest
-        self.weight_work: dict = {}  # what each split B left for its W, until the W runs
+        self.weight_work: dict = {}  # a split backward's state from a B to its W (task 5.5: yours to define)
         self.loss = 0.0
         self.memory = []  # (time in us, bytes saved for backward) after each action
 
@@ -137,7 +137,7 @@ class PipelineStep:
         leaf = self.received.pop((mb, chunk)) if k > 0 else None
         with trace.span(f"B{mb}", cat="backward", microbatch=mb, chunk=chunk):
             if self.split:
-                raise NotImplementedError("TODO 5.5: Compute only the gradient the previous stage waits for, and keep the rest of this backward, per micro-batch and chunk, for its W.")
+                raise NotImplementedError("TODO 5.5: Only the input gradient the previous stage waits for is computed now; the rest of this backward is left intact for this micro-batch's W.")
             else:
                 out.backward(grad)
         if leaf is not None and st.peer(k - 1) == st.rank:
@@ -150,7 +150,7 @@ class PipelineStep:
     def weights(self, mb: int, chunk: int) -> None:
         """W: the weight gradients this micro-batch's B left (no message: nobody waits for them)."""
         with trace.span(f"W{mb}", cat="weights", microbatch=mb, chunk=chunk):
-            raise NotImplementedError("TODO 5.5: Run, once, the weight-gradient work this micro-batch's input pass kept; that also frees what it held.")
+            raise NotImplementedError("TODO 5.5: This micro-batch's weight gradients, computed exactly once; nothing is kept for it afterwards.")
 
 
 def train_step(

@@ -90,7 +90,7 @@ def gpipe(stages: int, microbatches: int) -> list[list[Action]]:
 def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
     """1F1B (PipeDream-flush): the same passes as GPipe, with stage s holding at most p-s micro-batches."""
     _check(stages, microbatches)
-    raise NotImplementedError("TODO 5.3: Each stage runs only as many forwards ahead as it has successors in the pipe, then alternates one forward with one backward, then drains, so it never holds more than p - s micro-batches.")
+    raise NotImplementedError("TODO 5.3: The same passes as GPipe, ordered so that each stage starts its backwards as early as it can and holds as few micro-batches at once as the pipeline allows.")
 
 
 def interleaved_1f1b(stages: int, microbatches: int, chunks: int) -> list[list[Action]]:
@@ -103,13 +103,13 @@ def interleaved_1f1b(stages: int, microbatches: int, chunks: int) -> list[list[A
             f"{microbatches} micro-batches is not a multiple of {stages}: "
             f"choose e.g. {stages * max(1, microbatches // stages)}"
         )
-    raise NotImplementedError("TODO 5.4: 1F1B over virtual stages: micro-batches move in groups of p through each model part in turn, backwards visit the parts in reverse, and a deeper warm-up keeps the pipe full.")
+    raise NotImplementedError("TODO 5.4: 1F1B over the virtual stages, as Megatron's interleaved schedule orders them (m a multiple of p).")
 
 
 def zb_h1(stages: int, microbatches: int) -> list[list[Action]]:
     """ZB-H1 (Qi et al., 2024): 1F1B with each backward split into B and W, the W's filling the bubbles."""
     _check(stages, microbatches)
-    raise NotImplementedError("TODO 5.6: Keep 1F1B's order of forwards and backwards; each backward becomes the input-gradient pass alone, and stage s runs each weight pass a fixed number of backwards later, as many as stages before it, finishing the rest at the end.")
+    raise NotImplementedError("TODO 5.6: ZB-H1 as the paper orders it: 1F1B's forwards and input-gradient passes, each stage's weight passes placed by the rule the handout states.")
 
 
 def zb_v(stages: int, microbatches: int) -> list[list[Action]]:

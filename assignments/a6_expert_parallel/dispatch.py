@@ -80,7 +80,7 @@ def dropless(moe, rows, counts, group, arriving=None):
     knows it without asking (``padded``'s equal blocks); None: the ranks tell each other."""
     P, r = dist.get_world_size(group), dist.get_rank(group)
     per = moe.n_experts // P
-    raise NotImplementedError("TODO 6.3: First tell each owner how many assignments for each of its experts are coming, then ship them with uneven splits, have each owner run every local expert once on its arrivals, and return the results home in their original order.")
+    raise NotImplementedError("TODO 6.3: Each assignment is computed by the owner of its expert and its result comes back to where it started, in its original order; splits may be uneven or empty.")
 
 
 def padded(moe, rows, counts, slots: int, group):

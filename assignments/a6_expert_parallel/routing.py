@@ -6,10 +6,10 @@
 
 Each rank of the data group (dp × ep ranks) routes only its own rows, but the serial MoE's
 numbers are whole-batch statistics. One all-gather of small per-rank tallies gives every rank
-what it needs, exactly, in data-rank order d·EP + e (rank d·EP + e holds block d·EP + e of the
+what it needs, exactly, in data-rank order d·EP + r (rank d·EP + r holds block d·EP + r of the
 batch, so data-rank order is row order)::
 
-    rank d·EP + e:  its tallies (k, E+1)  ─ all_gather over ep, then over dp ─►  gathered (D, k, E+1)
+    rank d·EP + r:  its tallies (k, E+1)  ─ all_gather over ep, then over dp ─►  gathered (D, k, E+1)
                     gathered[d, s, e]  data rank d's choice-s assignments to expert e  (e < E)
                     gathered[d, :, E]  data rank d's token count
 
@@ -33,7 +33,7 @@ from tinytrain.nn.moe import expert_capacity, queue_positions, slot_counts, top_
 
 
 def gather_over(array: numpy.ndarray, ep_group, dp_group=None) -> numpy.ndarray:
-    """Every data rank's ``array``, stacked in data-rank order d·EP + e (dp-major): (D, *shape)."""
+    """Every data rank's ``array``, stacked in data-rank order d·EP + r (dp-major): (D, *shape)."""
     got = dist.all_gather(numpy.ascontiguousarray(array[None]), group=ep_group)  # (EP, ...)
     if dp_group is not None:
         got = dist.all_gather(got, group=dp_group)  # (DP·EP, ...): replica d's block after d - 1's
@@ -54,7 +54,7 @@ def gate(moe, tokens, ep_group, dp_group=None):
     data group is the serial value and gradient; ``gathered`` holds every rank's counts per
     (choice, expert) and, in the last column, its token count."""
     E, k = moe.n_experts, moe.top_k
-    raise NotImplementedError("TODO 6.1: Route this rank's rows with the serial layer's rules, and compute its share of the whole batch's balancing loss from the per-choice tallies and row counts of all ranks that share the batch, pooled in one small exchange.")
+    raise NotImplementedError("TODO 6.1: This rank's rows routed as the serial layer routes them, and its share of the whole batch's balancing loss, as if the batch were on one rank.")
 
 
 def global_capacity(moe, gathered) -> int | None:
@@ -65,11 +65,11 @@ def global_capacity(moe, gathered) -> int | None:
 def keep(moe, experts, gathered, me: int) -> numpy.ndarray:
     """(N_r, k) bool: which of my assignments fit in their expert's capacity, exactly as the serial
     layer decides on the whole batch (GShard priority: all first choices of every rank, in row
-    order, then all second choices, ...). ``me``: my data rank (d·EP + e)."""
+    order, then all second choices, ...). ``me``: my data rank (d·EP + r)."""
     capacity = global_capacity(moe, gathered)
     if capacity is None:
         return numpy.ones(experts.shape, dtype=bool)
-    raise NotImplementedError("TODO 6.2: Keep exactly the assignments the serial layer keeps on the whole batch: an assignment's place in its queue comes after all earlier choice levels everywhere, then this level on lower data ranks.")
+    raise NotImplementedError("TODO 6.2: Exactly the assignments the serial layer keeps on the whole batch, whichever rank holds them.")
 
 
 def global_load(moe, gathered):
@@ -85,7 +85,7 @@ def update_bias(moe, load) -> None:
     """Loss-free balancing (DeepSeek-V3), after a step: ``moe.route_bias`` (one float per expert)
     moves by ``moe.bias_rate`` against ``load``, the whole batch's assignments per expert (any
     sequence of numbers). The rule is the paper's: handout §3, remedy 4."""
-    raise NotImplementedError("TODO 6.5: Nudge every expert's bias by a fixed step against its load: an expert busier than the average becomes less attractive, a quieter one more, one exactly at the average stays.")
+    raise NotImplementedError("TODO 6.5: Loss-free balancing: every expert's bias takes the paper's fixed-size step, decided by the whole batch's load.")
 
 
 def balance_experts(model) -> None:

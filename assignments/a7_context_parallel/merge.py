@@ -57,7 +57,7 @@ def block_attention(q, k, v, scale, causal: bool):
     of the scores (..., Tq).
     """
     WORK.add(q.shape[-2] * k.shape[-2])
-    raise NotImplementedError("TODO 7.1: One block's attention result, normalised within the block, and each query's LSE of its scores against these keys, computed without overflow; on the diagonal block no query sees a later key.")
+    raise NotImplementedError("TODO 7.1: One block's attention output and each query's log-sum-exp over these keys, without overflow; causal on the diagonal block.")
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):
@@ -67,7 +67,7 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     log-sum-exps. Returns ``(out, lse)`` over the union. ``lse_a`` may be -inf (no keys yet) as
     long as ``lse_b`` is finite.
     """
-    raise NotImplementedError("TODO 7.1: Combine two partial results over disjoint key sets into the exact result over their union, each weighted by its share of the softmax mass; stable even when one side has seen no keys yet.")
+    raise NotImplementedError("TODO 7.1: The exact attention over the union of two disjoint key sets from their two partial results; stable when one side has seen no keys yet.")
 
 
 def block_gradients(q, k, v, lse, grad, delta, scale, causal: bool):

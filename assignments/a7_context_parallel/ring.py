@@ -35,6 +35,7 @@ from tinytrain import distributed as dist
 from tinytrain import trace
 from tinytrain.autograd import Function
 from tinytrain.backend import is_low_precision, xp
+from tinytrain.distributed.chunks import ring_neighbours
 from assignments.a7_context_parallel.merge import block_attention, block_gradients, merge_partials
 from assignments.a7_context_parallel.split import block_pairs, chunk_ids
 
@@ -45,11 +46,11 @@ def pass_on(buf, group, tag: int):
     """Post: send ``buf`` to the next rank of the ring, receive its twin from the previous one.
 
     Returns ``(incoming, works)``: the buffer being filled and the two handles (``wait_all``)."""
-    n, r = dist.get_world_size(group), dist.get_rank(group)
+    right, left = ring_neighbours(dist.get_rank(group), dist.get_world_size(group))
     incoming = xp.empty_like(buf)
     works = [
-        dist.irecv(incoming, (r - 1) % n, group=group, tag=tag),
-        dist.isend(buf, (r + 1) % n, group=group, tag=tag),
+        dist.irecv(incoming, left, group=group, tag=tag),
+        dist.isend(buf, right, group=group, tag=tag),
     ]
     return incoming, works
 
@@ -93,14 +94,14 @@ def ring_forward(q, k, v, group, split, scale):
     """``(out, lse)`` of my queries over every rank's keys: N steps around the ring."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     m = len(chunk_ids(r, n, split))  # chunks I hold (and every rank holds)
-    raise NotImplementedError("TODO 7.2: Over N hops every key/value block visits this rank; the next one is already in flight while the current one is computed, causally useless pairs are skipped, and every query piece folds each partial result into its running one.")
+    raise NotImplementedError("TODO 7.2: Every query piece's exact attention over the keys it may see; the next key/value block is already in flight while the current one is computed, and causally useless blocks are skipped.")
 
 
 def ring_backward(q, k, v, out, lse, grad, group, split, scale):
     """``(dq, dk, dv)``: K/V around the ring again, dK/dV accumulators with them, home after N hops."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     m = len(chunk_ids(r, n, split))
-    raise NotImplementedError("TODO 7.3: Key/value blocks go around again, each now carrying its owner's running key/value gradient, to which every rank it visits adds its queries' contribution; query gradients stay home, and one last hop takes each finished accumulator back to its owner.")
+    raise NotImplementedError("TODO 7.3: Every rank ends with the exact gradients of its own queries, keys and values; key/value gradients travel the ring with their blocks, and the messages overlap the compute.")
 
 
 def ring_attention(q, k, v, group=None, split="zigzag", scale=None):

@@ -59,7 +59,7 @@ def chunk_ids(rank: int, n: int, split: str) -> list[int]:
     check_split(split)
     if split == "contiguous":
         return [rank]
-    raise NotImplementedError("TODO 7.4: Pair one early chunk with its mirror image counted from the end, so every member gets the same causal work.")
+    raise NotImplementedError("TODO 7.4: Two chunks per member, chosen so that every member does the same causal attention work.")
 
 
 def chunk_positions(i: int, c: int) -> numpy.ndarray:

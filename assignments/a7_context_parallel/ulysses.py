@@ -96,7 +96,7 @@ class HeadToSeq(Function):
 def alltoall_attention(q, k, v, group=None, split="zigzag", scale=None):
     """Causal attention of my positions' q, k, v (B, H, T/N, D) by two all-to-alls (see top)."""
     check_heads(q.shape[1], dist.get_world_size(group))
-    raise NotImplementedError("TODO 7.5: Trade sequence shards for head shards, run ordinary masked attention on the whole sequence locally, and trade back.")
+    raise NotImplementedError("TODO 7.5: Attention on the whole sequence for this rank's share of the heads, sequence shards traded for head shards and back.")
 
 
 def alltoall_bytes(q_shape, itemsize: int, n: int) -> tuple[int, int]:

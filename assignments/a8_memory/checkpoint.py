@@ -98,7 +98,7 @@ class _Segment:
     def run(self, ctx, arrays, grad: bool):
         """``fn`` on ``arrays``: a Tensor argument as a new Tensor (a leaf that requires grad where the
         argument did, in the recompute), a constant as it is."""
-        raise NotImplementedError("TODO 8.1: Call the segment's function on its arguments: each tensor argument as a new tensor over the same array, asking for a gradient in a recompute exactly where the original did; others as given. Return the arguments used, the result and the outputs as a tuple; refuse an output that is not a tensor.")
+        raise NotImplementedError("TODO 8.1: The segment's result from tensors over the same arrays that ask for gradients exactly where the originals do; returns (arguments used, result, outputs), and refuses an output that is not a tensor.")
 
 
 class _Recompute(Function):
@@ -110,11 +110,11 @@ class _Recompute(Function):
 
     @staticmethod
     def forward(ctx, anchor, *arrays, segment):
-        raise NotImplementedError("TODO 8.1: Keep the inputs and nothing that the ops inside would keep: compute the outputs once, without building a graph, inside the forward context and marked as a recomputed part; give their values (and whether a tuple came back) to the shared record, and return the empty handle.")
+        raise NotImplementedError("TODO 8.1: The outputs' values, with nothing kept but the inputs: no graph of the segment outlives the forward.")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 8.1: In the backward context: compute the outputs again from the kept inputs, with a graph this time and the first pass's randomness settings; push the outputs' gradients through it in one pass; return one gradient per forward input (none for the anchor or a constant); forget the received ones.")
+        raise NotImplementedError("TODO 8.1: One gradient per forward input, the same as the segment's own graph would give, from a recomputation that draws the same random numbers.")
 
 
 class _Output(Function):

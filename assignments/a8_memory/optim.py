@@ -27,9 +27,8 @@ from tinytrain.backend import is_low_precision, to_host, xp
 
 
 class Optimizer:
-    # The gradients are this many times the loss's (fp16 loss scaling: ``LossScaler``); ``update``
-    # divides them by it, in float32, so a gradient that only the scale kept above float16's
-    # underflow is not flushed to zero by the division.
+    # The gradients are this many times the loss's (fp16 loss scaling: ``LossScaler``): a step must
+    # take them as the loss's own (task 8.3).
     loss_scale = 1.0
 
     def __init__(self, params, lr: float):
@@ -63,7 +62,7 @@ class Optimizer:
         for a 16-bit ``param`` also ``master``, its float32 copy, and the rule's state is float32."""
         if not is_low_precision(param.dtype):
             return self.new_state(param)
-        raise NotImplementedError("TODO 8.3: A 16-bit parameter's state: the rule's own state, made for a full-precision copy of the parameter, and that copy.")
+        raise NotImplementedError("TODO 8.3: A 16-bit parameter's state: what the rule keeps, made for a full-precision copy of the parameter, and that copy.")
 
     def update(self, param, grad, state) -> None:
         """One step of the rule for the array ``param`` (in place), from ``grad`` (``loss_scale``
@@ -74,7 +73,7 @@ class Optimizer:
         if master is None:
             self.rule(param, grad / self.loss_scale if self.loss_scale != 1 else grad, state)
             return
-        raise NotImplementedError("TODO 8.3: The step happens in full precision: the rule updates the copy from the gradient brought to full precision and unscaled there (the caller's array stays as it is), and the 16-bit parameter, in place, takes the copy's new value, rounded.")
+        raise NotImplementedError("TODO 8.3: After the call the full-precision copy holds the rule's step taken in full precision from the true (unscaled) gradient, the 16-bit parameter holds that copy rounded, and the caller's gradient is unchanged.")
 
     def new_state(self, param) -> dict:
         """The rule's state for ``param`` (its moments: arrays like it)."""
@@ -211,7 +210,7 @@ class LossScaler:
 
     def update(self, found_inf: bool) -> bool:
         """After a step's backward: True to take the step; False to skip it (and halve the scale)."""
-        raise NotImplementedError("TODO 8.2: Note whether the step is thrown away. An overflow makes the multiplier smaller and restarts the count of clean steps: throw it away. A clean step counts; the count reaching its interval makes the multiplier larger and restarts the count: take it.")
+        raise NotImplementedError("TODO 8.2: Dynamic loss scaling as Micikevicius et al. state it; returns whether this step may be applied.")
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps}

@@ -183,7 +183,10 @@ def test_a_baseline_launch_that_dies_fails_every_rank_in_one_message(tmp_path, m
 
 @pytest.mark.world_size(4)
 def test_the_floor_loops_compute_what_mpi_computes():
-    """bench/floor.py's bare loops (the --floor column) are the same algorithms: same results as MPI's own."""
+    """bench/floor.py's bare loops (the --floor column): recursive doubling, all-to-all and
+    broadcast compute MPI's own results; the ring loops move the ring's messages (n-1 steps, one
+    chunk to the right neighbour and one from the left each), which chunk in which step being
+    assignment 1's to work out."""
     import numpy as np
 
     from tinytrain.bench import floor
@@ -203,17 +206,21 @@ def test_the_floor_loops_compute_what_mpi_computes():
         floor.all_reduce_recursive_doubling(comm, got, np.empty_like(x))
         np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-5)
 
-        uneven = rng.standard_normal(count * n + 3).astype(np.float32)  # chunks of unequal length
-        reduced = np.empty_like(uneven)
-        comm.Allreduce(uneven, reduced, op=MPI.SUM)
-        mine = np.array_split(reduced, n)[r]
-        out = np.empty_like(mine)
-        floor.ring_reduce_scatter(comm, uneven, out, [np.empty(uneven.size // n + 1, np.float32) for _ in range(2)])
-        np.testing.assert_allclose(out, mine, rtol=1e-5, atol=1e-5)
-
-        gathered = np.empty(count * n, np.float32)
-        floor.ring_all_gather(comm, x, gathered)
-        np.testing.assert_array_equal(gathered, np.concatenate(comm.allgather(x)))
+        steps = []
+        real_step = floor._step
+        floor._step = lambda comm_, sends, recvs: (  # record each step's messages, then send them
+            steps.append(([(b.nbytes, p) for b, p in sends], [(b.nbytes, p) for b, p in recvs])),
+            real_step(comm_, sends, recvs),
+        )
+        try:
+            full, out = np.zeros(count * n, np.float32), np.zeros(count, np.float32)
+            floor.ring_reduce_scatter(comm, full, out, [np.empty(count, np.float32) for _ in range(2)])
+            floor.ring_all_gather(comm, x, np.empty(count * n, np.float32))
+        finally:
+            floor._step = real_step
+        right, left = [1, 2, 3, 0][r], [3, 0, 1, 2][r]  # the ring of 4 ranks
+        one_step = ([(4 * count, right)], [(4 * count, left)])
+        assert steps == [one_step] * (2 * (n - 1)), steps  # the ring's messages, phase after phase
 
         whole = rng.standard_normal(count * n).astype(np.float32)
         swapped = np.empty_like(whole)

@@ -118,3 +118,12 @@ def test_bytes_sent_is_what_the_algorithm_that_runs_sends(monkeypatch, n, cut):
     assert s.sent("all_gather") == (direct if cut else ring)
     with pytest.raises(ValueError, match="one per rank"):
         dist.bytes_sent("all_gather", sizes[:-1], 4, group=g)
+
+
+def test_ring_neighbours_on_fixed_rings():
+    """The ring every ring algorithm (and the graded ring checks) uses: 0 -> 1 -> ... -> n-1 -> 0."""
+    from tinytrain.distributed.chunks import ring_neighbours
+
+    assert [ring_neighbours(r, 4) for r in range(4)] == [(1, 3), (2, 0), (3, 1), (0, 2)]
+    assert [ring_neighbours(r, 3) for r in range(3)] == [(1, 2), (2, 0), (0, 1)]
+    assert ring_neighbours(0, 1) == (0, 0)

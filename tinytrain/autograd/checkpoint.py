@@ -94,7 +94,7 @@ class _Segment:
     def run(self, ctx, arrays, grad: bool):
         """``fn`` on ``arrays``: a Tensor argument as a new Tensor (a leaf that requires grad where the
         argument did, in the recompute), a constant as it is."""
-        # BEGIN SOLUTION 8.1 "Call the segment's function on its arguments: each tensor argument as a new tensor over the same array, asking for a gradient in a recompute exactly where the original did; others as given. Return the arguments used, the result and the outputs as a tuple; refuse an output that is not a tensor." full="ctx.inputs[1:] holds None for a constant argument; ctx.needs_input_grad[1:] says which Tensor arguments need a gradient. Build args from arrays, call self.fn(*args), and check every output isinstance Tensor (TypeError naming the output)."
+        # BEGIN SOLUTION 8.1 "The segment's result from tensors over the same arrays that ask for gradients exactly where the originals do; returns (arguments used, result, outputs), and refuses an output that is not a tensor." full="ctx.inputs[1:] holds None for a constant argument; ctx.needs_input_grad[1:] says which Tensor arguments need a gradient. Build args from arrays, call self.fn(*args), and check every output isinstance Tensor (TypeError naming the output)."
         args = [
             a if inp is None else Tensor(a, requires_grad=grad and need)
             for a, inp, need in zip(arrays, ctx.inputs[1:], ctx.needs_input_grad[1:])
@@ -117,7 +117,7 @@ class _Recompute(Function):
 
     @staticmethod
     def forward(ctx, anchor, *arrays, segment):
-        # BEGIN SOLUTION 8.1 "Keep the inputs and nothing that the ops inside would keep: compute the outputs once, without building a graph, inside the forward context and marked as a recomputed part; give their values (and whether a tuple came back) to the shared record, and return the empty handle." full="Store segment on ctx; ctx.save_for_backward(*arrays); inside segment.enter('forward'), no_grad() and _random.segment(), segment.run(ctx, arrays, grad=False); set segment.values to the outputs' arrays and segment.is_tuple; return a 0-element float32 array."
+        # BEGIN SOLUTION 8.1 "The outputs' values, with nothing kept but the inputs: no graph of the segment outlives the forward." full="Store segment on ctx; ctx.save_for_backward(*arrays); inside segment.enter('forward'), no_grad() and _random.segment(), segment.run(ctx, arrays, grad=False); set segment.values to the outputs' arrays and segment.is_tuple; return a 0-element float32 array."
         ctx.segment = segment
         ctx.save_for_backward(*arrays)  # the inputs: what the segment keeps (counted in saved_bytes)
         with segment.enter("forward"), no_grad(), _random.segment():
@@ -128,7 +128,7 @@ class _Recompute(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 8.1 "In the backward context: compute the outputs again from the kept inputs, with a graph this time and the first pass's randomness settings; push the outputs' gradients through it in one pass; return one gradient per forward input (none for the anchor or a constant); forget the received ones." full="With segment.enter('backward'): under enable_grad(), _random.restored(segment.random) and _random.segment(), args, _, outs = segment.run(ctx, ctx.saved, grad=True); pair each output with segment.grads.get(i), keep those with a gradient that require grad; one: backward(o, g); several: backward(_Join.apply(*outs, grads=grads)) built under enable_grad(). Clear segment.grads; return (None, *arg.grad for Tensor args that require grad, else None)."
+        # BEGIN SOLUTION 8.1 "One gradient per forward input, the same as the segment's own graph would give, from a recomputation that draws the same random numbers." full="With segment.enter('backward'): under enable_grad(), _random.restored(segment.random) and _random.segment(), args, _, outs = segment.run(ctx, ctx.saved, grad=True); pair each output with segment.grads.get(i), keep those with a gradient that require grad; one: backward(o, g); several: backward(_Join.apply(*outs, grads=grads)) built under enable_grad(). Clear segment.grads; return (None, *arg.grad for Tensor args that require grad, else None)."
         segment, arrays = ctx.segment, ctx.saved
         with segment.enter("backward"):
             with enable_grad(), _random.restored(segment.random), _random.segment():

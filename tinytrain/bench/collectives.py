@@ -730,7 +730,7 @@ def _header(args, n: int, mpi: str, baseline) -> None:
         flush=True,
     )
     if getattr(args, "floor", False):
-        print(f"# floor = the same algorithm as a bare mpi4py loop; floor ratio = its busbw / busbw of {against}")
+        print(f"# floor = the same messages as a bare mpi4py loop; floor ratio = its busbw / busbw of {against}")
 
 
 def _bench(args, comm, mpi: str, baseline) -> list:

@@ -8,9 +8,10 @@ no deadline, no generator. Whatever a Python implementation of the algorithm doe
 least this; the gap between this column and ours is what tinytrain's machinery costs, and the gap
 between this column and MPI's is what Python and the algorithm's steps cost.
 
-Where another algorithm has the same messages, the floor uses it rather than the one assignment 1
-asks for: all-to-all pairs ranks by XOR (n a power of two) and broadcast runs down a binary tree
-(on the bench's 4 ranks the same messages per rank as the binomial tree). Not a product: no
+The floor reproduces the traffic, not the result: which chunk travels in which step is the
+assignment's to work out (assignment 1), so here every rank walks the chunks in one fixed order,
+all-to-all pairs ranks by XOR and broadcast runs down a binary tree (on the bench's 4 ranks the
+same messages per rank as the binomial tree). The buffers are the bench's zeros. Not a product: no
 errors are caught, and a rank that never answers hangs it (the benchmark runs it on healthy ranks
 only).
 """
@@ -23,7 +24,7 @@ import numpy
 
 from tinytrain.distributed import work
 from tinytrain.distributed._mpi import MPI
-from tinytrain.distributed.chunks import chunk_bounds, split_counts
+from tinytrain.distributed.chunks import chunk_bounds, ring_neighbours, split_counts
 
 # Just above the tags our collectives use (work: 1024 + seq % 30000) and below the debug signature
 # tag (32000): a floor run never matches a message of ours.
@@ -54,27 +55,28 @@ def all_reduce_recursive_doubling(comm, flat, tmp) -> None:
 
 
 def ring_reduce_scatter(comm, full, out, tmps) -> None:
-    """Ring reduce-scatter: step s sends the partial sum of chunk r-s right and adds chunk r-s-1 from the left."""
+    """The ring reduce-scatter's traffic: n-1 steps of one chunk to the right neighbour and one from
+    the left, each received chunk added to a chunk of ``full`` (every chunk read once)."""
     r, n = comm.Get_rank(), comm.Get_size()
     chunks = _pieces(full, n)
-    right, left = (r + 1) % n, (r - 1) % n
-    outgoing = chunks[(r - 1) % n]
+    right, left = ring_neighbours(r, n)
+    outgoing = chunks[0]
     for s in range(n - 1):
-        i = (r - s - 2) % n
-        incoming = tmps[s % 2][: chunks[i].size]
+        incoming = tmps[s % 2][: chunks[s + 1].size]
         _step(comm, [(outgoing, right)], [(incoming, left)])
-        numpy.add(incoming, chunks[i], out=out if s == n - 2 else incoming)
+        numpy.add(incoming, chunks[s + 1], out=out if s == n - 2 else incoming)
         outgoing = incoming
 
 
 def ring_all_gather(comm, x, out) -> None:
-    """Ring all-gather: place this rank's piece, then pass pieces to the right n-1 times."""
+    """The ring all-gather's traffic: place this rank's piece, then n-1 steps of one chunk to the
+    right neighbour and one from the left, received in place."""
     r, n = comm.Get_rank(), comm.Get_size()
     chunks = _pieces(out, n)
-    chunks[r][...] = x
-    right, left = (r + 1) % n, (r - 1) % n
+    chunks[0][...] = x
+    right, left = ring_neighbours(r, n)
     for s in range(n - 1):
-        _step(comm, [(chunks[(r - s) % n], right)], [(chunks[(r - s - 1) % n], left)])
+        _step(comm, [(chunks[s], right)], [(chunks[s + 1], left)])
 
 
 def pairwise_all_to_all(comm, x, out) -> None:

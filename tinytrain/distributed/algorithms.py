@@ -18,7 +18,7 @@ its own, running the student's algorithms.
 
 from __future__ import annotations
 
-from .chunks import chunk_bounds, combine, split_counts
+from .chunks import chunk_bounds, combine, ring_neighbours, split_counts
 from .collectives import Collectives
 from .work import Call
 
@@ -60,9 +60,9 @@ def _ring_reduce_scatter(c: Call, flat, bounds, op: str, shift: int, out):
     ``c.exchange``. After the last step ``out`` holds chunk (r + 1 + shift) % n reduced over all
     ranks (``op``); ``out`` may be that chunk of ``flat`` itself.
     """
-    # BEGIN SOLUTION 1.1 "Partial results travel the ring, each hop adding one more contribution, until every member ends with one chunk reduced over all of them; the input is only read." full="Step s sends (step 0: chunk (r-s+shift)%n of flat; later: the sum made the step before) right, receives chunk (r-s-1+shift)%n from the left into a buffer, combines in flat's chunk (the last step into out)."
+    # BEGIN SOLUTION 1.1 "On return, out holds this rank's chunk of the reduction over all ranks (which chunk: the docstring says); flat is only read, and a rank talks only to its ring neighbours." full="Step s sends (step 0: chunk (r-s+shift)%n of flat; later: the sum made the step before) right, receives chunk (r-s-1+shift)%n from the left into a buffer, combines in flat's chunk (the last step into out)."
     n, r = c.size, c.rank
-    right, left = (r + 1) % n, (r - 1) % n
+    right, left = ring_neighbours(r, n)
     longest = max((b - a for a, b in bounds), default=0)
     # Two buffers: the sum made in one step is sent from it while the next partial sum arrives in the other.
     sums = [c.scratch(longest, flat) for _ in range(min(2, n - 1))]
@@ -91,9 +91,9 @@ def _ring_all_gather(c: Call, flat, bounds, shift: int, label: str = "ring all-g
     On entry rank r's chunk (r + 1 + shift) % n of ``flat`` is final; on exit every chunk is, on
     every rank. Every step sends one chunk to the right neighbour and receives one from the left.
     """
-    # BEGIN SOLUTION 1.2 "Pass the finished chunks around the ring until all ranks hold every one of them; a chunk that arrives is final, so it replaces, never adds." full="Step s sends chunk (r+1+shift-s)%n right and receives chunk (r+shift-s)%n from the left into flat."
+    # BEGIN SOLUTION 1.2 "On return, every rank's flat holds every rank's finished chunk; a rank talks only to its ring neighbours." full="Step s sends chunk (r+1+shift-s)%n right and receives chunk (r+shift-s)%n from the left into flat."
     n, r = c.size, c.rank
-    right, left = (r + 1) % n, (r - 1) % n
+    right, left = ring_neighbours(r, n)
     for s in range(n - 1):
         send_i, recv_i = (r + 1 + shift - s) % n, (r + shift - s) % n
         (sa, sb), (ra, rb) = bounds[send_i], bounds[recv_i]
@@ -110,7 +110,7 @@ def _all_reduce_ring(c: Call, flat, op: str):
 
     Any length of ``flat``; every rank sends every chunk but one in each phase, 2(n-1)/n of the
     buffer when n divides its length."""
-    # BEGIN SOLUTION 1.3 "All-reduce as the two ring phases back to back on one cut of the buffer: reduce each chunk in place into its owner's copy, then circulate the finished chunks to everyone." full="Chunks: chunk_bounds(split_counts(flat.size, n)); reduce-scatter into this rank's own chunk of flat (r+1 with shift=0), then all-gather, shift=0."
+    # BEGIN SOLUTION 1.3 "On return, flat holds the reduction over all ranks, on every rank, in place, by the two ring phases of this file." full="Chunks: chunk_bounds(split_counts(flat.size, n)); reduce-scatter into this rank's own chunk of flat (r+1 with shift=0), then all-gather, shift=0."
     bounds = chunk_bounds(split_counts(flat.size, c.size))
     a, b = bounds[(c.rank + 1) % c.size]  # the chunk this rank ends the reduce-scatter with
     yield from _ring_reduce_scatter(c, flat, bounds, op, shift=0, out=flat[a:b])
@@ -134,7 +134,7 @@ def _all_to_all_pairwise(c: Call, flat, send_bounds, out, recv_bounds):
     ``flat[send_bounds[p]]`` goes to rank p (p = this rank included); what rank p sends lands in
     ``out[recv_bounds[p]]``. Pieces may be empty.
     """
-    # BEGIN SOLUTION 1.4 "Keep your own block, then in n-1 steps trade blocks with one peer each way at a growing distance around the ring, so that every pair talks exactly once in each direction." full="Copy your own piece; step s=1..n-1 sends to rank (r+s)%n and receives from (r-s)%n in one exchange."
+    # BEGIN SOLUTION 1.4 "On return, block p of out holds the block rank p addressed to this rank; every pair of ranks exchanges exactly once each way, one peer each way per step." full="Copy your own piece; step s=1..n-1 sends to rank (r+s)%n and receives from (r-s)%n in one exchange."
     n, r = c.size, c.rank
     (sa, sb), (ra, rb) = send_bounds[r], recv_bounds[r]
     out[ra:rb] = flat[sa:sb]  # my piece for myself never leaves
@@ -166,7 +166,7 @@ def _broadcast_tree(c: Call, flat, root: int):
 
     Every rank but the root receives the buffer exactly once; the root sends ceil(log2 n) times.
     """
-    # BEGIN SOLUTION 1.5 "Spread the buffer down a binomial tree: everyone but the source gets it once from above, then forwards it to all of its subtrees at once." full="v = (rank - root) % n; if v != 0, receive from parent v - (v & -v); then send to v + 2^j for each 2^j below v's lowest set bit (the root: every 2^j < n)."
+    # BEGIN SOLUTION 1.5 "On return, every rank holds the root's buffer; every rank but the root received it exactly once, and the whole broadcast takes about log2(n) rounds." full="v = (rank - root) % n; if v != 0, receive from parent v - (v & -v); then send to v + 2^j for each 2^j below v's lowest set bit (the root: every 2^j < n)."
     n = c.size
     v = (c.rank - root) % n
 

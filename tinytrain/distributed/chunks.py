@@ -23,6 +23,12 @@ def combine(acc, incoming, op: str, out=None) -> None:
     getattr(xp_of(acc), _UFUNC[op])(acc, incoming, out=acc if out is None else out)
 
 
+def ring_neighbours(rank: int, size: int) -> tuple[int, int]:
+    """(right, left): the ranks after and before ``rank`` on the ring 0 -> 1 -> ... -> size-1 -> 0.
+    Every ring algorithm sends to its right neighbour and receives from its left one."""
+    return (rank + 1) % size, (rank - 1) % size
+
+
 def chunk_bounds(counts: list[int]) -> list[tuple[int, int]]:
     """(start, stop) of consecutive pieces with the given lengths."""
     out, start = [], 0

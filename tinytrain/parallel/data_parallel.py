@@ -200,7 +200,7 @@ class BucketedDDP(_Replicated):
         """Called by the autograd engine the moment ``p.grad`` is complete for this backward."""
         if not self.require_sync:
             return  # no_sync(): let the gradient accumulate; the last micro-batch communicates
-        # BEGIN SOLUTION 2.2 "Record that this parameter's gradient is complete (a second time before a sync is an error), then start every one of the buckets that is now complete, strictly in launch order, and help the async work along when asked to." full="Add id(p) to its bucket's ready set (error if it is already there), then launch every full bucket in bucket order; poll with dist.progress_all() if self.poll."
+        # BEGIN SOLUTION 2.2 "Each bucket's averaging is under way as soon as all its gradients are complete, in the same bucket order on every rank; a gradient completed twice before a sync is an error." full="Add id(p) to its bucket's ready set (error if it is already there), then launch every full bucket in bucket order; poll with dist.progress_all() if self.poll."
         bucket = self.bucket_of[id(p)]
         if id(p) in bucket.ready:
             raise RuntimeError(
@@ -222,7 +222,7 @@ class BucketedDDP(_Replicated):
 
     def finish_gradient_sync(self) -> None:
         """Launch what backward did not fill (unused parameters), then wait for every bucket."""
-        # BEGIN SOLUTION 2.2 "Start whatever backward left unfilled (parameters that got no gradient), wait until all the averaging is done and the results are back in place, and be set to begin the next backward from the first one again." full="Mark every parameter of not-yet-launched buckets ready and launch them; then finish() every bucket and reset next_to_launch."
+        # BEGIN SOLUTION 2.2 "On return every gradient holds its average, those of buckets no gradient reached included, and the next backward starts afresh." full="Mark every parameter of not-yet-launched buckets ready and launch them; then finish() every bucket and reset next_to_launch."
         for bucket in self.buckets[self.next_to_launch :]:
             bucket.ready.update(id(p) for p in bucket.params)
         self._launch_full_buckets()
@@ -300,7 +300,7 @@ class ParameterServer(Wrapper):
         return clip_grad_norm_(self.params, 0.0)  # (max_norm 0: measures, clips nothing)
 
     def _push_and_average(self) -> None:
-        # BEGIN SOLUTION 2.4 "Gradients from all the others are pushed to the central process, which adds them to its own in a fixed order (not arrival order) and averages: its gradients are then the whole batch's." full="Workers send their flattened gradients to the server (tag _PUSH); the server receives one buffer per worker, adds them to its own in rank order, divides by the world size and writes the result into .grad."
+        # BEGIN SOLUTION 2.4 "On return the central process's gradients are the whole batch's average, bit for bit the same whatever order the pushes arrive in." full="Workers send their flattened gradients to the server (tag _PUSH); the server receives one buffer per worker, adds them to its own in rank order, divides by the world size and writes the result into .grad."
         grads = flat_grads(self.params)
         if self.rank != self.server:
             dist.send(grads, self.server, group=self.group, tag=_PUSH)
@@ -316,7 +316,7 @@ class ParameterServer(Wrapper):
         if self.rank != self.server:  # a worker overwrites its parameters with what the server sends
             recv_into([p.data for p in self.params], self.server, group=self.group, tag=_PULL)
             return
-        # BEGIN SOLUTION 2.4 "The central process hands its current parameters to all the others (their receiving end is given above), and returns only when they have them all." full="The server sends its flattened parameters to every worker (tag _PULL) with isend and waits for every send."
+        # BEGIN SOLUTION 2.4 "On return every worker holds the central process's current parameters." full="The server sends its flattened parameters to every worker (tag _PULL) with isend and waits for every send."
         flat = flatten([p.data for p in self.params])
         handles = [dist.isend(flat, w, group=self.group, tag=_PULL) for w in self.workers]
         for h in handles:
@@ -511,7 +511,7 @@ class AsyncParameterServer(ParameterServer):
                 yield w
 
     def _apply_if_allowed(self, arrived: dict, replies: list) -> None:
-        # BEGIN SOLUTION 2.5 "Hold the gradients back while applying them would leave the next gradient of a rank that has not pushed more than the bound behind; otherwise average what arrived (in rank order) into one update, record how stale each was, step, and send each worker whose gradient was in it the new parameters." full="Return if max_staleness is set and some worker not in arrived has version + 1 - pulled[w] > max_staleness. Else sum the arrived buffers in rank order, divide by their count, write into .grad, clip to max_norm if set, optimizer.step(), append version - pulled[r] for each arrived rank to staleness, add 1 to version; isend the flat parameters (tag _ASYNC_PULL) to every arrived worker, keeping the handles in replies; set their pulled to version; clear arrived."
+        # BEGIN SOLUTION 2.5 "Updates come as early as the staleness bound allows and never later than it requires, each the average of what arrived; every worker whose gradient an update applied gets the new parameters." full="Return if max_staleness is set and some worker not in arrived has version + 1 - pulled[w] > max_staleness. Else sum the arrived buffers in rank order, divide by their count, write into .grad, clip to max_norm if set, optimizer.step(), append version - pulled[r] for each arrived rank to staleness, add 1 to version; isend the flat parameters (tag _ASYNC_PULL) to every arrived worker, keeping the handles in replies; set their pulled to version; clear arrived."
         others = [w for w in self.workers if w not in arrived]  # their next gradient is of pulled[w]
         k = self.max_staleness
         if k is not None and any(self.version + 1 - self.pulled[w] > k for w in others):
@@ -583,7 +583,7 @@ class LocalSGD(Wrapper):
             count_bytes(self, self.outer_step, "all_reduce")
 
     def outer_step(self) -> None:
-        # BEGIN SOLUTION 2.6 "The outer gradient is how far the replicas moved from the shared start, averaged over them in one collective; the outer optimizer moves the start by it, and every replica continues from the new start." full="delta = self.start.data - flatten(params' data); all_reduce(delta, op='avg', group=self.group, algo='ring'); self.start.grad = delta; self.outer.step(); unflatten_into(self.start.data, the params' data)."
+        # BEGIN SOLUTION 2.6 "The outer optimizer takes one step on the shared start from the replicas' averaged movement (DiLoCo's outer gradient), and every replica continues from the new start." full="delta = self.start.data - flatten(params' data); all_reduce(delta, op='avg', group=self.group, algo='ring'); self.start.grad = delta; self.outer.step(); unflatten_into(self.start.data, the params' data)."
         delta = self.start.data - flatten([p.data for p in self.params])
         dist.all_reduce(delta, op="avg", group=self.group, algo="ring")
         self.start.grad = delta

@@ -152,7 +152,7 @@ class ZeroStage1(ShardedWrapper):
         for s in self.shards:
             if s.grad is None:
                 continue
-            # BEGIN SOLUTION 3.1 "Step this rank's slice of the weights alone with the serial rule, creating the rule's memory for that slice (its moments) on first use." full="Create s.state with optimizer.init_state on first use, then optimizer.update my piece of the parameter (self._param_piece(s)) with s.grad."
+            # BEGIN SOLUTION 3.1 "Only this rank's slice of the weights takes the serial rule's step, with that rule's state kept for the slice alone." full="Create s.state with optimizer.init_state on first use, then optimizer.update my piece of the parameter (self._param_piece(s)) with s.grad."
             piece = self._param_piece(s)
             if s.state is None:
                 s.state = self.optimizer.init_state(piece)
@@ -190,7 +190,7 @@ class ZeroStage2(ZeroStage1):
         """The engine's post-accumulate hook: ``p.grad`` is complete for this backward (it fires for a
         parameter no gradient reached too, whose ``p.grad`` is then None)."""
         s = self.shard_of[id(p)]
-        # BEGIN SOLUTION 3.2 "As soon as this gradient is complete, start averaging it into pieces without waiting, note the work for the later sync, and let the full gradient go." full="If p.grad is None use zeros; launch an async reduce-scatter of p's gradient (self._reduce_scatter), append (s, work) to self.pending, then set p.grad = None."
+        # BEGIN SOLUTION 3.2 "From the moment this gradient is complete its averaging into pieces is under way, the later sync can find it, and the full gradient is no longer held." full="If p.grad is None use zeros; launch an async reduce-scatter of p's gradient (self._reduce_scatter), append (s, work) to self.pending, then set p.grad = None."
         if p.grad is None:
             p.grad = xp.zeros_like(p.data)
         self.pending.append((s, self._reduce_scatter(s, async_op=True)))
@@ -257,7 +257,7 @@ class ZeroStage3(ZeroStage2):
     @contextlib.contextmanager
     def gathered(self, shards):
         """The full values of ``shards``' parameters for the with-block; freed afterwards."""
-        # BEGIN SOLUTION 3.3 "For the with-block only, every listed parameter holds its full value, assembled from all ranks' pieces, with the bytes held counted (and their high-water mark); afterwards, even on error, they hold nothing again." full="all_gather each shard's piece (sizes=s.sizes) and set s.p.data to the full array in s.shape; count the bytes in self.gathered_bytes (and peak); afterwards set p.data back to _EMPTY and uncount."
+        # BEGIN SOLUTION 3.3 "Inside the block every listed parameter holds its full value and the bytes held are counted (with their high-water mark); afterwards, even on error, they hold nothing again." full="all_gather each shard's piece (sizes=s.sizes) and set s.p.data to the full array in s.shape; count the bytes in self.gathered_bytes (and peak); afterwards set p.data back to _EMPTY and uncount."
         for s in shards:
             s.p.data = dist.all_gather(s.data, group=self.group, sizes=s.sizes).reshape(s.shape)
             self.gathered_bytes += s.p.data.nbytes

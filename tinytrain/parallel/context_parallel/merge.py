@@ -53,7 +53,7 @@ def block_attention(q, k, v, scale, causal: bool):
     of the scores (..., Tq).
     """
     WORK.add(q.shape[-2] * k.shape[-2])
-    # BEGIN SOLUTION 7.1 "One block's attention result, normalised within the block, and each query's LSE of its scores against these keys, computed without overflow; on the diagonal block no query sees a later key." full="Scores q·kᵀ·scale (+ causal_bias on the diagonal); lse = max + log Σ exp(s − max); out = exp(s − lse)·v."
+    # BEGIN SOLUTION 7.1 "One block's attention output and each query's log-sum-exp over these keys, without overflow; causal on the diagonal block." full="Scores q·kᵀ·scale (+ causal_bias on the diagonal); lse = max + log Σ exp(s − max); out = exp(s − lse)·v."
     s = q @ xp.swapaxes(k, -1, -2)
     s *= scale
     if causal:
@@ -74,7 +74,7 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     log-sum-exps. Returns ``(out, lse)`` over the union. ``lse_a`` may be -inf (no keys yet) as
     long as ``lse_b`` is finite.
     """
-    # BEGIN SOLUTION 7.1 "Combine two partial results over disjoint key sets into the exact result over their union, each weighted by its share of the softmax mass; stable even when one side has seen no keys yet." full="lse = max + log(exp(lse_a − max) + exp(lse_b − max)); out = exp(lse_a − lse)·out_a + exp(lse_b − lse)·out_b."
+    # BEGIN SOLUTION 7.1 "The exact attention over the union of two disjoint key sets from their two partial results; stable when one side has seen no keys yet." full="lse = max + log(exp(lse_a − max) + exp(lse_b − max)); out = exp(lse_a − lse)·out_a + exp(lse_b − lse)·out_b."
     m = xp.maximum(lse_a, lse_b)
     lse = m + xp.log(xp.exp(lse_a - m) + xp.exp(lse_b - m))
     out = xp.exp(lse_a - lse)[..., None] * out_a + xp.exp(lse_b - lse)[..., None] * out_b

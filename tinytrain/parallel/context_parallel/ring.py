@@ -31,6 +31,7 @@ from tinytrain import distributed as dist
 from tinytrain import trace
 from tinytrain.autograd import Function
 from tinytrain.backend import is_low_precision, xp
+from tinytrain.distributed.chunks import ring_neighbours
 from tinytrain.parallel.context_parallel.merge import block_attention, block_gradients, merge_partials
 from tinytrain.parallel.context_parallel.split import block_pairs, chunk_ids
 
@@ -41,11 +42,11 @@ def pass_on(buf, group, tag: int):
     """Post: send ``buf`` to the next rank of the ring, receive its twin from the previous one.
 
     Returns ``(incoming, works)``: the buffer being filled and the two handles (``wait_all``)."""
-    n, r = dist.get_world_size(group), dist.get_rank(group)
+    right, left = ring_neighbours(dist.get_rank(group), dist.get_world_size(group))
     incoming = xp.empty_like(buf)
     works = [
-        dist.irecv(incoming, (r - 1) % n, group=group, tag=tag),
-        dist.isend(buf, (r + 1) % n, group=group, tag=tag),
+        dist.irecv(incoming, left, group=group, tag=tag),
+        dist.isend(buf, right, group=group, tag=tag),
     ]
     return incoming, works
 
@@ -89,7 +90,7 @@ def ring_forward(q, k, v, group, split, scale):
     """``(out, lse)`` of my queries over every rank's keys: N steps around the ring."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     m = len(chunk_ids(r, n, split))  # chunks I hold (and every rank holds)
-    # BEGIN SOLUTION 7.2 "Over N hops every key/value block visits this rank; the next one is already in flight while the current one is computed, causally useless pairs are skipped, and every query piece folds each partial result into its running one." full="kv = stack(k, v); each step: pass_on(kv) BEFORE computing block_pairs(r, src) with block_attention, merge_partials per query chunk; wait_all, swap."
+    # BEGIN SOLUTION 7.2 "Every query piece's exact attention over the keys it may see; the next key/value block is already in flight while the current one is computed, and causally useless blocks are skipped." full="kv = stack(k, v); each step: pass_on(kv) BEFORE computing block_pairs(r, src) with block_attention, merge_partials per query chunk; wait_all, swap."
     qs = chunks(q, m)
     outs, lses = [None] * m, [None] * m
     kv = xp.ascontiguousarray(xp.stack([k, v]))
@@ -114,7 +115,7 @@ def ring_backward(q, k, v, out, lse, grad, group, split, scale):
     """``(dq, dk, dv)``: K/V around the ring again, dK/dV accumulators with them, home after N hops."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     m = len(chunk_ids(r, n, split))
-    # BEGIN SOLUTION 7.3 "Key/value blocks go around again, each now carrying its owner's running key/value gradient, to which every rank it visits adds its queries' contribution; query gradients stay home, and one last hop takes each finished accumulator back to its owner." full="delta = rowsum(grad·out); each step: pass_on(kv) first, block_gradients into dq and a fresh dK/dV part; add the accumulator received, pass_on(part); last one home."
+    # BEGIN SOLUTION 7.3 "Every rank ends with the exact gradients of its own queries, keys and values; key/value gradients travel the ring with their blocks, and the messages overlap the compute." full="delta = rowsum(grad·out); each step: pass_on(kv) first, block_gradients into dq and a fresh dK/dV part; add the accumulator received, pass_on(part); last one home."
     delta = xp.sum(grad * out, axis=-1)
     qs, gs, ls, ds = chunks(q, m), chunks(grad, m), chunks(lse[..., None], m), chunks(delta[..., None], m)
     dq = xp.zeros_like(q)

@@ -55,7 +55,7 @@ def chunk_ids(rank: int, n: int, split: str) -> list[int]:
     check_split(split)
     if split == "contiguous":
         return [rank]
-    # BEGIN SOLUTION 7.4 "Pair one early chunk with its mirror image counted from the end, so every member gets the same causal work." full="Zigzag: one early chunk and its mirror image from the end, [rank, 2n − 1 − rank]."
+    # BEGIN SOLUTION 7.4 "Two chunks per member, chosen so that every member does the same causal attention work." full="Zigzag: one early chunk and its mirror image from the end, [rank, 2n − 1 − rank]."
     return [rank, n_chunks(n, split) - 1 - rank]
     # END SOLUTION
 

@@ -104,7 +104,7 @@ class HeadToSeq(Function):
 def alltoall_attention(q, k, v, group=None, split="zigzag", scale=None):
     """Causal attention of my positions' q, k, v (B, H, T/N, D) by two all-to-alls (see top)."""
     check_heads(q.shape[1], dist.get_world_size(group))
-    # BEGIN SOLUTION 7.5 "Trade sequence shards for head shards, run ordinary masked attention on the whole sequence locally, and trade back." full="SeqToHead each of q, k, v; F.scaled_dot_product_attention(causal=True, scale=scale); HeadToSeq."
+    # BEGIN SOLUTION 7.5 "Attention on the whole sequence for this rank's share of the heads, sequence shards traded for head shards and back." full="SeqToHead each of q, k, v; F.scaled_dot_product_attention(causal=True, scale=scale); HeadToSeq."
     q, k, v = (SeqToHead.apply(t, group=group, split=split) for t in (q, k, v))
     y = F.scaled_dot_product_attention(q, k, v, causal=True, scale=scale)
     return HeadToSeq.apply(y, group=group, split=split)

@@ -82,7 +82,7 @@ def dropless(moe, rows, counts, group, arriving=None):
     knows it without asking (``padded``'s equal blocks); None: the ranks tell each other."""
     P, r = dist.get_world_size(group), dist.get_rank(group)
     per = moe.n_experts // P
-    # BEGIN SOLUTION 6.3 "First tell each owner how many assignments for each of its experts are coming, then ship them with uneven splits, have each owner run every local expert once on its arrivals, and return the results home in their original order." full="counts.reshape(P, E/P): one block per destination; unless arriving is given, all_to_all it (equal splits) to learn what arrives; AllToAll the rows with uneven sizes, regroup by local expert (by_expert), run moe.run_experts on owned(r, E, P), undo the regrouping, AllToAll back with the sizes swapped."
+    # BEGIN SOLUTION 6.3 "Each assignment is computed by the owner of its expert and its result comes back to where it started, in its original order; splits may be uneven or empty." full="counts.reshape(P, E/P): one block per destination; unless arriving is given, all_to_all it (equal splits) to learn what arrives; AllToAll the rows with uneven sizes, regroup by local expert (by_expert), run moe.run_experts on owned(r, E, P), undo the regrouping, AllToAll back with the sizes swapped."
     mine = numpy.ascontiguousarray(counts.reshape(P, per).astype(numpy.int64))
     if arriving is None:
         arriving = dist.all_to_all(mine, group=group)  # (P, E/P): rank p's rows for each of my experts

@@ -80,7 +80,7 @@ class PipelineStep:
         self.pending = []  # isend handles; their buffers must live until they complete
         self.turned: dict = {}  # (mb, "F" or "B") -> what a V's bottom hands its other chunk, no message
         self.split = any(a.kind == "W" for a in actions)  # B is the input's gradient only, W the rest
-        self.weight_work: dict = {}  # what each split B left for its W, until the W runs
+        self.weight_work: dict = {}  # a split backward's state from a B to its W (task 5.5: yours to define)
         self.loss = 0.0
         self.memory = []  # (time in us, bytes saved for backward) after each action
 
@@ -133,7 +133,7 @@ class PipelineStep:
         leaf = self.received.pop((mb, chunk)) if k > 0 else None
         with trace.span(f"B{mb}", cat="backward", microbatch=mb, chunk=chunk):
             if self.split:
-                # BEGIN SOLUTION 5.5 "Compute only the gradient the previous stage waits for, and keep the rest of this backward, per micro-batch and chunk, for its W." full="self.weight_work[(mb, chunk)] = backward_inputs(out, [leaf], grad), with no inputs on virtual stage 0."
+                # BEGIN SOLUTION 5.5 "Only the input gradient the previous stage waits for is computed now; the rest of this backward is left intact for this micro-batch's W." full="self.weight_work[(mb, chunk)] = backward_inputs(out, [leaf], grad), with no inputs on virtual stage 0."
                 self.weight_work[(mb, chunk)] = backward_inputs(out, [leaf] if leaf is not None else [], grad)
                 # END SOLUTION
             else:
@@ -148,7 +148,7 @@ class PipelineStep:
     def weights(self, mb: int, chunk: int) -> None:
         """W: the weight gradients this micro-batch's B left (no message: nobody waits for them)."""
         with trace.span(f"W{mb}", cat="weights", microbatch=mb, chunk=chunk):
-            # BEGIN SOLUTION 5.5 "Run, once, the weight-gradient work this micro-batch's input pass kept; that also frees what it held." full="self.weight_work.pop((mb, chunk))()"
+            # BEGIN SOLUTION 5.5 "This micro-batch's weight gradients, computed exactly once; nothing is kept for it afterwards." full="self.weight_work.pop((mb, chunk))()"
             self.weight_work.pop((mb, chunk))()
             # END SOLUTION
 

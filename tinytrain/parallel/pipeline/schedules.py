@@ -91,7 +91,7 @@ def gpipe(stages: int, microbatches: int) -> list[list[Action]]:
 def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
     """1F1B (PipeDream-flush): the same passes as GPipe, with stage s holding at most p-s micro-batches."""
     _check(stages, microbatches)
-    # BEGIN SOLUTION 5.3 "Each stage runs only as many forwards ahead as it has successors in the pipe, then alternates one forward with one backward, then drains, so it never holds more than p - s micro-batches." full="Stage s: min(p-1-s, m) warm-up forwards, then pairs (F next, B oldest), then the remaining B."
+    # BEGIN SOLUTION 5.3 "The same passes as GPipe, ordered so that each stage starts its backwards as early as it can and holds as few micro-batches at once as the pipeline allows." full="Stage s: min(p-1-s, m) warm-up forwards, then pairs (F next, B oldest), then the remaining B."
     schedule = []
     for s in range(stages):
         warmup = min(stages - 1 - s, microbatches)
@@ -114,7 +114,7 @@ def interleaved_1f1b(stages: int, microbatches: int, chunks: int) -> list[list[A
             f"{microbatches} micro-batches is not a multiple of {stages}: "
             f"choose e.g. {stages * max(1, microbatches // stages)}"
         )
-    # BEGIN SOLUTION 5.4 "1F1B over virtual stages: micro-batches move in groups of p through each model part in turn, backwards visit the parts in reverse, and a deeper warm-up keeps the pipe full." full="Number the passes k = 0..m·v-1: chunk (k mod pv)//p, micro-batch (k//pv)·p + k mod p; backwards reverse the chunk; warm-up 2(p-1-s) + (v-1)p."
+    # BEGIN SOLUTION 5.4 "1F1B over the virtual stages, as Megatron's interleaved schedule orders them (m a multiple of p)." full="Number the passes k = 0..m·v-1: chunk (k mod pv)//p, micro-batch (k//pv)·p + k mod p; backwards reverse the chunk; warm-up 2(p-1-s) + (v-1)p."
     total = microbatches * chunks
     group = stages * chunks
 
@@ -138,7 +138,7 @@ def interleaved_1f1b(stages: int, microbatches: int, chunks: int) -> list[list[A
 def zb_h1(stages: int, microbatches: int) -> list[list[Action]]:
     """ZB-H1 (Qi et al., 2024): 1F1B with each backward split into B and W, the W's filling the bubbles."""
     _check(stages, microbatches)
-    # BEGIN SOLUTION 5.6 "Keep 1F1B's order of forwards and backwards; each backward becomes the input-gradient pass alone, and stage s runs each weight pass a fixed number of backwards later, as many as stages before it, finishing the rest at the end." full="Walk one_f_one_b's list of stage s; after B j append W (j - s) when j >= s; end with W (m - s) .. W (m - 1)."
+    # BEGIN SOLUTION 5.6 "ZB-H1 as the paper orders it: 1F1B's forwards and input-gradient passes, each stage's weight passes placed by the rule the handout states." full="Walk one_f_one_b's list of stage s; after B j append W (j - s) when j >= s; end with W (m - s) .. W (m - 1)."
     schedule = []
     for s, actions in enumerate(one_f_one_b(stages, microbatches)):
         split = []

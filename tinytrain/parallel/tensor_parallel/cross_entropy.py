@@ -31,7 +31,7 @@ class VocabParallelCrossEntropy(Function):
 
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start, ignore_index=-100, denominator=None):
-        # BEGIN SOLUTION 4.4 "The mean loss over non-ignored positions from vocabulary-split scores, never building the full ones: a global max for stability, the global softmax normaliser, and the correct class's score from whichever rank owns it; keep the softmax for backward." full="all_reduce max of row maxes, all_reduce sum of exp, all_reduce the target logit; keep probs for backward."
+        # BEGIN SOLUTION 4.4 "The serial mean loss over the non-ignored positions, exact and stable, without any rank building the full scores; keep what backward needs." full="all_reduce max of row maxes, all_reduce sum of exp, all_reduce the target logit; keep probs for backward."
         flat = logits.reshape(-1, logits.shape[-1])
         tgt = targets.reshape(-1)
         valid = tgt != ignore_index
@@ -55,7 +55,7 @@ class VocabParallelCrossEntropy(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.4 "Purely on this rank: the serial loss's gradient, on the scores this rank holds, with the one-hot only where it owns the correct class." full="ops.nll_grad(probs, local target column, mine, valid · grad / denom); no talk."
+        # BEGIN SOLUTION 4.4 "This rank's columns of the serial loss's gradient, with no communication." full="ops.nll_grad(probs, local target column, mine, valid · grad / denom); no talk."
         probs, local, mine, valid = ctx.saved
         g = ops.nll_grad(probs, local, mine, valid * (grad / ctx.denom))
         return g.reshape(ctx.logits_shape), None, None, None, None, None

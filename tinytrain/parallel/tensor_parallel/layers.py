@@ -192,7 +192,7 @@ class RowParallelLinear(Parallel):
         )
 
     def forward(self, x):
-        # BEGIN SOLUTION 4.2 "Multiply this rank's slice of the input features by its rows, combine the partial results on leaving the region, and only then add the replicated additive term, so that it counts once." full="Local partial product, then leave() (all-reduce or reduce-scatter); add the bias once, after."
+        # BEGIN SOLUTION 4.2 "The full output on every rank from the rows of the matrix this rank holds, with the replicated additive term counted exactly once." full="Local partial product, then leave() (all-reduce or reduce-scatter); add the bias once, after."
         y = self.leave(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
         # END SOLUTION
@@ -233,7 +233,7 @@ class ParallelAttention(Parallel):
     split_heads = CausalSelfAttention.split_heads  # the serial layout (B, heads, T, head size), my n_head heads
 
     def forward(self, x):
-        # BEGIN SOLUTION 4.3 "Attention with each head wholly on one rank: go into the region a single time for all three projections, compute attention on this rank's share, then the output projection and the serial-matching random mask." full="Enter once (q, k, v share it), local linears, split_heads (my n_head/t heads), attend(self.attention_fn, q, k, v), merge the heads, proj, dropout."
+        # BEGIN SOLUTION 4.3 "The serial attention's output, random mask included, with this rank computing only its own heads: one all-reduce forward and one backward." full="Enter once (q, k, v share it), local linears, split_heads (my n_head/t heads), attend(self.attention_fn, q, k, v), merge the heads, proj, dropout."
         x = self.enter(x)  # once, not per projection: one all-reduce (or all-gather) for all three
         q, k, v = (self.split_heads(F.linear(x, lin.weight, lin.bias)) for lin in (self.q, self.k, self.v))
         y = attend(self.attention_fn, q, k, v)  # (B, my heads, T, head size)
