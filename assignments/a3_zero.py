@@ -173,17 +173,32 @@ class ZeroStage2(ZeroStage1):
     def __init__(self, module, optimizer, group=None):
         super().__init__(module, optimizer, group)
         self.pending = []  # (shard, async reduce_scatter) not yet waited for
+        # The one order in which every rank starts its reduce-scatters (the last layers' gradients
+        # are ready first in backward), and this backward's progress through it (task 3.2).
+        self.launch_order = self.shards[::-1]
+        self.next_to_launch = 0
+        self.ready: set[int] = set()  # ids of the parameters whose gradient is complete in this backward
         for s in self.shards:
             s.p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _grad_ready(self, p) -> None:
         """The engine's post-accumulate hook: ``p.grad`` is complete for this backward (it fires for a
-        parameter no gradient reached too, whose ``p.grad`` is then None)."""
-        s = self.shard_of[id(p)]
-        raise NotImplementedError("TODO 3.2: From the moment this gradient is complete its averaging into pieces is under way, the later sync can find it, and the full gradient is no longer held.")
+        parameter no gradient reached too, whose ``p.grad`` is then None; never for one this rank's
+        graph did not contain)."""
+        self._complete(p)
+
+    def _complete(self, p) -> None:
+        """``p``'s gradient is complete for this backward (``p.grad``, None when none reached it)."""
+        raise NotImplementedError("TODO 3.2: Each gradient's averaging into pieces starts as early as its turn allows, in the same turns on every rank whatever order this rank completes them in, and no full gradient outlives its turn; one complete again before a sync means another backward began.")
+
+    def _close_turns(self) -> None:
+        """The backward whose gradients are being completed has ended (a sync, or another backward)."""
+        raise NotImplementedError("TODO 3.2: Every parameter's reduce-scatter of the last backward has started, in its turn, a parameter that backward never completed counting as zeros, and the next backward starts from the first turn again.")
 
     def finish_gradient_sync(self) -> None:
-        """Wait for the reduce-scatters; add each piece to the pieces of earlier micro-batches."""
+        """Start the reduce-scatters this backward did not (parameters this rank's loss never used),
+        wait for all of them, and add each piece to the pieces of earlier micro-batches."""
+        self._close_turns()
         for s, work in self.pending:
             if not hasattr(work, "wait"):
                 raise TypeError(
@@ -245,22 +260,27 @@ class ZeroStage3(ZeroStage2):
         raise NotImplementedError("TODO 3.3: Inside the block every listed parameter holds its full value and the bytes held are counted (with their high-water mark); afterwards, even on error, they hold nothing again.")
 
     def _grad_ready(self, p) -> None:
-        """Called after each unit's backward that uses p: a tied weight waits for its last user. A
-        pipeline stage's gradients accumulate over micro-batches instead (finish_gradient_sync)."""
-        if self.module is None:
-            return
-        s = self.shard_of[id(p)]
-        s.pending_users -= 1
-        if s.pending_users == 0:
-            s.pending_users = s.users
-            super()._grad_ready(p)
+        """Not the engine's hook here: a unit's gradients are complete when its backward is done
+        (``unit_backward_done``), on every rank at the same point, also for a parameter this rank's
+        recompute never reached. A pipeline stage's accumulate over micro-batches (finish_gradient_sync)."""
+
+    def unit_backward_done(self, shards) -> None:
+        """Called by each unit's backward once it is done (``ShardedUnit``): a gradient is complete
+        after the backward of its last user (a tied weight has two)."""
+        for s in shards:
+            s.pending_users -= 1
+            if s.pending_users == 0:
+                s.pending_users = s.users
+                self._complete(s.p)
 
     def finish_gradient_sync(self) -> None:
         """A pipeline stage: reduce-scatter the gradients its micro-batches accumulated, once per
         step, and drop the full ones (a module's were reduce-scattered as backward completed them)."""
         if self.module is None:
             for s in self.shards:
-                ZeroStage2._grad_ready(self, s.p)  # what stage 2 does with a complete gradient, now
+                self._complete(s.p)  # what stage 2 does with a complete gradient, now
+        for s in self.shards:  # a layer whose backward never reached p on this rank: counted afresh
+            s.pending_users = s.users
         super().finish_gradient_sync()
 
     def _param_piece(self, s):

@@ -8,20 +8,19 @@ A parallel region is code where each of the t ranks of the TP group works on its
 weights. Its edges are the only places ranks talk, and each edge is a pair of collectives: one in
 the forward pass and its transpose in the backward pass. (x: (B, T, C); t ranks; r: my rank.)
 
-Tensor parallel (activations between regions are whole and the same on every rank)::
+Tensor parallel (activations between regions are whole and the same on every rank); what each
+rank holds after the forward (the backwards are tasks 4.1 and 4.5: derive them)::
 
-    function           forward                              backward
-    CopyToRegion       identity        x ─► x               all-reduce  (my dx is a partial sum)
-    ReduceFromRegion   all-reduce      Σ_r y_r ─► y         identity    (every y_r fed the sum)
-    GatherFromRegion   all-gather(-1)  (..,C/t) ─► (..,C)   keep my piece of the last axis
-    ScatterToRegion    keep my piece   (..,C) ─► (..,C/t)   all-gather(-1)
+    CopyToRegion       x ─► x                  the same tensor, entering the region
+    ReduceFromRegion   y_r ─► Σ_r y_r          the sum of the t partial outputs
+    GatherFromRegion   (..,C/t) ─► (..,C)      every rank's columns, in rank order
+    ScatterToRegion    (..,C) ─► (..,C/t)      my columns only
 
 Sequence parallel (between regions each rank holds a sequence shard x_r: (B, T/t, C))::
 
-    GatherFromSequenceRegion       all-gather(T)      (B,T/t,C) ─► (B,T,C)   reduce-scatter(T)
-    ReduceScatterToSequenceRegion  reduce-scatter(T)  (B,T,C) partial ─► (B,T/t,C) summed
-                                                                             all-gather(T)
-    ScatterToSequenceRegion        keep my T/t        (B,T,C) ─► (B,T/t,C)   all-gather(T)
+    GatherFromSequenceRegion       (B,T/t,C) ─► (B,T,C)            every rank's positions, in order
+    ReduceScatterToSequenceRegion  (B,T,C) partial ─► (B,T/t,C)    my positions of the sum
+    ScatterToSequenceRegion        (B,T,C) ─► (B,T/t,C)            my positions only
 
 Why an all-reduce splits into these two: an all-reduce *is* a reduce-scatter followed by an
 all-gather, so SP moves the same bytes, 2·(t-1)/t·B·T·C·4 per all-reduce (ring), and keeps the
@@ -95,7 +94,7 @@ class ReduceFromRegion(Function):
 
 
 class GatherFromRegion(Function):
-    """Column outputs to a whole tensor: all-gather along the last axis; backward keeps my piece."""
+    """Column outputs to a whole tensor: every rank's columns side by side, in rank order."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -107,7 +106,7 @@ class GatherFromRegion(Function):
 
 
 class ScatterToRegion(Function):
-    """Whole tensor to my piece of the last axis; backward all-gathers the pieces' gradients."""
+    """Whole tensor (the same on every rank) to my piece of the last axis."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -122,7 +121,7 @@ class ScatterToRegion(Function):
 
 
 class GatherFromSequenceRegion(Function):
-    """SP: sequence shards (B, T/t, C) to (B, T, C) by all-gather; backward reduce-scatters."""
+    """SP: sequence shards (B, T/t, C) to the whole sequence (B, T, C), positions in order."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -134,7 +133,7 @@ class GatherFromSequenceRegion(Function):
 
 
 class ReduceScatterToSequenceRegion(Function):
-    """SP: partial sums (B, T, C) to my summed shard (B, T/t, C); backward all-gathers."""
+    """SP: partial sums (B, T, C) to my positions of their total (B, T/t, C)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -146,7 +145,7 @@ class ReduceScatterToSequenceRegion(Function):
 
 
 class ScatterToSequenceRegion(Function):
-    """SP, after the embedding: keep my sequence shard; backward all-gathers (no sum needed)."""
+    """SP, after the embedding (the same on every rank): keep my sequence shard (B, T/t, C)."""
 
     @staticmethod
     def forward(ctx, x, group):

@@ -13,8 +13,8 @@ non-expert weight; each rank of the data group (DP replicas × P) routes its own
               sort kept assignments by expert ─► all-to-all to the experts' owners (dispatch.py)
               owner runs its experts on the tokens from every rank
               all-to-all back ─► y[t] = Σ weight · output                        (dispatch.py)
-    backward: the same all-to-alls reversed; after it, dense gradients averaged over the data
-              group, expert gradients averaged over DP and divided by P (model.py, 6.4)
+    backward: the same all-to-alls reversed; after it, every gradient a rank updates is made
+              the serial one (model.py, 6.4)
 
 Read in this order: ``routing.py`` (6.1 gate and aux loss, 6.2 capacity, 6.5 the loss-free
 balancing bias), ``dispatch.py`` (6.3

@@ -18,10 +18,8 @@ Who holds what (EP = P ranks, DP replicas, data group D = DP·P ranks, each with
     expert e                                                   trained by EP rank e // (E/P) of
                                                                each replica (the others keep a stale copy)
 
-Gradients: rank (d, r)'s loss is D × its share of the serial loss, so
-    dense    average over the data group (ep, then dp)           = the serial gradient
-    expert   on its owner, every EP rank's tokens have arrived:  Σ_r D·share_r;
-             average over dp, divide by P                        = the serial gradient
+Gradients: rank (d, r)'s loss is D × its share of the serial loss; ``sync_gradients`` (6.4) makes
+every gradient a rank updates the serial one (the handout's contract and worked case).
 """
 
 from __future__ import annotations

@@ -254,11 +254,13 @@ def with_aux(case, model):
     return model
 
 
-@pytest.mark.task("3.1")
 @pytest.mark.world_size(4)
-def test_zero1_a_parameter_without_gradient_on_one_rank_still_takes_part(impl):
-    """Rank 3's backward leaves ``aux.grad`` None: it must still join aux's reduce-scatter, with zeros,
-    and the result must be the serial run's (whose loss adds the aux term with weight 3/4)."""
+@pytest.mark.parametrize("stage", [pytest.param(k, marks=pytest.mark.task(f"3.{k}")) for k in (1, 2)])
+def test_a_parameter_without_gradient_on_one_rank_still_takes_part(impl, stage):
+    """Rank 3's backward never meets ``aux``: its gradient stays None there and (stage 2) its hook
+    never fires. Rank 3 must still join aux's reduce-scatter, with zeros, and in the same turn as
+    the others, and the result must be the serial run's (whose loss adds the aux term with weight
+    3/4). aux is the last parameter, so on ranks 0-2 its gradient is the first one complete."""
     case = Case("sgd")
     rank = dist.get_rank()
     serial_model = with_aux(case, case.model())
@@ -270,7 +272,7 @@ def test_zero1_a_parameter_without_gradient_on_one_rank_still_takes_part(impl):
         (loss + (serial_model.aux * serial_model.aux).sum() * 0.75).backward()
         opt.step()
     model = with_aux(case, case.model())
-    zero = impl.zero.Zero(model, case.optimizer(model), stage=1)
+    zero = impl.zero.Zero(model, case.optimizer(model), stage=stage)
     for t in range(STEPS):
         for p in model.parameters():
             p.grad = None
@@ -283,5 +285,55 @@ def test_zero1_a_parameter_without_gradient_on_one_rank_still_takes_part(impl):
             to_host(dict(model.named_parameters())[name].data),
             to_host(p.data),
             4,
-            case.what(f"ZeRO-1 with a parameter that has no gradient on rank 3: {name}"),
+            case.what(f"ZeRO-{stage} with a parameter that has no gradient on rank 3: {name}"),
+        )
+
+
+@pytest.mark.task("3.3")
+@pytest.mark.world_size(4)
+def test_zero3_a_parameter_without_gradient_on_one_rank_still_takes_part(impl):
+    """Stage 3, two units of a small model; the second unit's ``aux`` enters rank 3's loss never, so
+    rank 3's recomputed backward never completes it. The parameters after SGD steps must equal the
+    serial run's (whose loss adds the aux term with weight 3/4)."""
+    from tinytrain.autograd import Parameter
+    from tinytrain.nn import Module
+
+    seed, rank = grading_seed(), dist.get_rank()
+    rng = np.random.default_rng(seed)
+    start = {"a": rng.normal(size=(6, 5)), "b": rng.normal(size=(5, 3)), "aux": rng.normal(size=7)}
+    rows = rng.normal(size=(STEPS, 8, 6)).astype(np.float32)  # 2 rows per rank and step
+
+    class Toy(Module):
+        def __init__(self):
+            super().__init__()
+            for name, value in start.items():
+                setattr(self, name, Parameter(xp.asarray(value.astype(np.float32))))
+
+    def units(toy, uses_aux):
+        def head(h):
+            y = h @ toy.b
+            return y + (toy.aux * toy.aux).sum() if uses_aux else y
+
+        return [("a", lambda x: x @ toy.a, [toy.a]), ("b", head, [toy.b, toy.aux])]
+
+    serial = Toy()
+    opt = SGD(serial.parameters(), lr=0.1)
+    for t in range(STEPS):
+        opt.zero_grad()
+        ((xp.asarray(rows[t]) @ serial.a @ serial.b).mean() + (serial.aux * serial.aux).sum() * 0.75).backward()
+        opt.step()
+    toy = Toy()
+    zero = impl.zero.Zero(toy, SGD(toy.parameters(), lr=0.1), stage=3, units=units(toy, USES_AUX[rank]))
+    for t in range(STEPS):
+        for p in toy.parameters():
+            p.grad = None
+        zero.backward(zero(xp.asarray(rows[t][2 * rank : 2 * rank + 2])).mean())
+        zero.step()
+    zero.materialize()
+    for name, p in serial.named_parameters():
+        assert_matches_serial(
+            to_host(dict(toy.named_parameters())[name].data),
+            to_host(p.data),
+            4,
+            f"ZeRO-3 with a parameter that has no gradient on rank 3: {name} (seed {seed})",
         )

@@ -5,7 +5,7 @@ routing drawn when the test runs, skewed (one expert popular: drops) and near-un
 choices, weights and load-balancing loss (and its gradient, summed over ranks), the capacity drops,
 dispatch and combine (outputs, input gradients) and the bytes each rank sends, and the gradients
 after 6.4's synchronization on a dp 2 × ep 2 mesh; the routing bias of loss-free balancing (6.5)
-against sign(mean load − load). The tasks are checked apart: each test uses only its own task's
+against the paper's rule. The tasks are checked apart: each test uses only its own task's
 functions.
 
 Besides the drawn configuration every test runs fixed hard cases, whatever the draw: top-1
@@ -548,7 +548,7 @@ def test_sync_gradients_dense_over_the_data_group_experts_over_dp(impl, case):
 
 # --- 6.5 loss-free balancing: the routing bias ---------------------------------------------------------
 
-# loads (assignments that chose each expert, the whole batch) and what sign(mean - load) must give;
+# loads (assignments that chose each expert, the whole batch); the test writes the rule out case by case;
 # fixed hard cases besides a drawn one: all equal, one expert takes everything, loads exactly at the
 # mean, a single expert, loads that are floats
 BIAS_CASES = {

@@ -451,7 +451,7 @@ MUTANTS += [
         "zero2_keeps_the_full_gradient",
         "3.2",
         A3,
-        "        p.grad = None  # the collective copied it: the full gradient is not kept\n",
+        "            s.p.grad = None  # the collective copied it: the full gradient is not kept\n",
         "",
         "full gradient",
     ),
@@ -459,10 +459,28 @@ MUTANTS += [
         "zero2_waits_for_each_reduce_scatter",
         "3.2",
         A3,
-        "        self.pending.append((s, self._reduce_scatter(s, async_op=True)))\n        p.grad = None",
-        "        self.pending.append((s, self._reduce_scatter(s, async_op=True)))\n        self.pending[-1][1].wait()\n"
-        "        p.grad = None",
+        "            self.pending.append((s, self._reduce_scatter(s, async_op=True)))\n            s.p.grad = None",
+        "            self.pending.append((s, self._reduce_scatter(s, async_op=True)))\n"
+        "            self.pending[-1][1].wait()\n            s.p.grad = None",
         "overlap|async|during backward",
+    ),
+    M(  # the order each rank's own backward completes them in: a parameter one rank never used shifts
+        # every later reduce-scatter there (issue 38: no ZeRO test had a parameter without a gradient)
+        "zero2_starts_each_reduce_scatter_in_its_own_backwards_order",
+        "3.2",
+        A3,
+        "        while self.next_to_launch < len(order) and id(order[self.next_to_launch].p) in self.ready:\n"
+        "            s = order[self.next_to_launch]\n",
+        "        for s in [self.shard_of[id(p)]]:\n",
+        "rank 3|no gradient|off from the serial|mismatch|called",
+    ),
+    M(  # the sync waits only for what backward started: a parameter unused on one rank is never reduced there
+        "zero2_sync_forgets_the_parameters_backward_never_completed",
+        "3.2",
+        A3,
+        "            if id(s.p) not in self.ready:\n                self._complete(s.p)\n",
+        "            pass\n",
+        "rank 3|no gradient|off from the serial|mismatch|called|timed out",
     ),
     M(
         "zero3_never_uncounts_gathered_bytes",

@@ -183,22 +183,50 @@ class ZeroStage2(ZeroStage1):
     def __init__(self, module, optimizer, group=None):
         super().__init__(module, optimizer, group)
         self.pending = []  # (shard, async reduce_scatter) not yet waited for
+        # The one order in which every rank starts its reduce-scatters (the last layers' gradients
+        # are ready first in backward), and this backward's progress through it (task 3.2).
+        self.launch_order = self.shards[::-1]
+        self.next_to_launch = 0
+        self.ready: set[int] = set()  # ids of the parameters whose gradient is complete in this backward
         for s in self.shards:
             s.p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _grad_ready(self, p) -> None:
         """The engine's post-accumulate hook: ``p.grad`` is complete for this backward (it fires for a
-        parameter no gradient reached too, whose ``p.grad`` is then None)."""
-        s = self.shard_of[id(p)]
-        # BEGIN SOLUTION 3.2 "From the moment this gradient is complete its averaging into pieces is under way, the later sync can find it, and the full gradient is no longer held." full="If p.grad is None use zeros; launch an async reduce-scatter of p's gradient (self._reduce_scatter), append (s, work) to self.pending, then set p.grad = None."
-        if p.grad is None:
-            p.grad = xp.zeros_like(p.data)
-        self.pending.append((s, self._reduce_scatter(s, async_op=True)))
-        p.grad = None  # the collective copied it: the full gradient is not kept
+        parameter no gradient reached too, whose ``p.grad`` is then None; never for one this rank's
+        graph did not contain)."""
+        self._complete(p)
+
+    def _complete(self, p) -> None:
+        """``p``'s gradient is complete for this backward (``p.grad``, None when none reached it)."""
+        # BEGIN SOLUTION 3.2 "Each gradient's averaging into pieces starts as early as its turn allows, in the same turns on every rank whatever order this rank completes them in, and no full gradient outlives its turn; one complete again before a sync means another backward began." full="If id(p) is already in self.ready, self._close_turns(); add id(p) to self.ready; then while the next shard of self.launch_order is ready: zeros of its shape if its grad is None, append (s, self._reduce_scatter(s, async_op=True)) to self.pending, set its p.grad = None, advance self.next_to_launch."
+        if id(p) in self.ready:
+            self._close_turns()
+        self.ready.add(id(p))
+        order = self.launch_order
+        while self.next_to_launch < len(order) and id(order[self.next_to_launch].p) in self.ready:
+            s = order[self.next_to_launch]
+            if s.p.grad is None:  # (stage 3 holds no full p.data here: zeros of its full shape)
+                s.p.grad = xp.zeros(s.shape, dtype=s.p.data.dtype)
+            self.pending.append((s, self._reduce_scatter(s, async_op=True)))
+            s.p.grad = None  # the collective copied it: the full gradient is not kept
+            self.next_to_launch += 1
+        # END SOLUTION
+
+    def _close_turns(self) -> None:
+        """The backward whose gradients are being completed has ended (a sync, or another backward)."""
+        # BEGIN SOLUTION 3.2 "Every parameter's reduce-scatter of the last backward has started, in its turn, a parameter that backward never completed counting as zeros, and the next backward starts from the first turn again." full="For each shard of self.launch_order from self.next_to_launch whose id is not in self.ready: self._complete(s.p); then clear self.ready and set self.next_to_launch = 0."
+        for s in self.launch_order[self.next_to_launch :]:
+            if id(s.p) not in self.ready:
+                self._complete(s.p)
+        self.ready.clear()
+        self.next_to_launch = 0
         # END SOLUTION
 
     def finish_gradient_sync(self) -> None:
-        """Wait for the reduce-scatters; add each piece to the pieces of earlier micro-batches."""
+        """Start the reduce-scatters this backward did not (parameters this rank's loss never used),
+        wait for all of them, and add each piece to the pieces of earlier micro-batches."""
+        self._close_turns()
         for s, work in self.pending:
             if not hasattr(work, "wait"):
                 raise TypeError(
@@ -271,22 +299,27 @@ class ZeroStage3(ZeroStage2):
         # END SOLUTION
 
     def _grad_ready(self, p) -> None:
-        """Called after each unit's backward that uses p: a tied weight waits for its last user. A
-        pipeline stage's gradients accumulate over micro-batches instead (finish_gradient_sync)."""
-        if self.module is None:
-            return
-        s = self.shard_of[id(p)]
-        s.pending_users -= 1
-        if s.pending_users == 0:
-            s.pending_users = s.users
-            super()._grad_ready(p)
+        """Not the engine's hook here: a unit's gradients are complete when its backward is done
+        (``unit_backward_done``), on every rank at the same point, also for a parameter this rank's
+        recompute never reached. A pipeline stage's accumulate over micro-batches (finish_gradient_sync)."""
+
+    def unit_backward_done(self, shards) -> None:
+        """Called by each unit's backward once it is done (``ShardedUnit``): a gradient is complete
+        after the backward of its last user (a tied weight has two)."""
+        for s in shards:
+            s.pending_users -= 1
+            if s.pending_users == 0:
+                s.pending_users = s.users
+                self._complete(s.p)
 
     def finish_gradient_sync(self) -> None:
         """A pipeline stage: reduce-scatter the gradients its micro-batches accumulated, once per
         step, and drop the full ones (a module's were reduce-scattered as backward completed them)."""
         if self.module is None:
             for s in self.shards:
-                ZeroStage2._grad_ready(self, s.p)  # what stage 2 does with a complete gradient, now
+                self._complete(s.p)  # what stage 2 does with a complete gradient, now
+        for s in self.shards:  # a layer whose backward never reached p on this rank: counted afresh
+            s.pending_users = s.users
         super().finish_gradient_sync()
 
     def _param_piece(self, s):

@@ -50,7 +50,7 @@ class ShardedUnit:
 
         forward    gather W ─ run fn(x) without a graph ─ free W           keeps x only
         backward   gather W ─ recompute fn(x) with a graph ─ backpropagate ─ free W
-                                                (p's hooks reduce-scatter its gradient here)
+                   ─ zero.unit_backward_done: the unit's gradients are complete (reduce-scatters start)
 
     Without a graph the gathered W can really be freed after forward: a graph would keep
     references to it. ``anchor`` (a 0-element tensor that requires grad) is part of the call
@@ -62,6 +62,8 @@ class ShardedUnit:
         def gathered(phase):  # "forward", or "backward": the recompute and its backward
             with zero.gathered(shards), trace.span(f"{phase} {name}", cat="compute"):
                 yield
+            if phase == "backward":  # at the same point on every rank, whichever gradients it reached
+                zero.unit_backward_done(shards)
 
         return checkpoint(fn, x, context=gathered)
 

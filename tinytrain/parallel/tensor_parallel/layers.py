@@ -16,8 +16,6 @@ One block, tensor parallel (x: (B, T, C), the same on every rank)::
 
     x ─ ln ─ copy ─► [x @ W_col_r] ─ gelu ─► [· @ W_row_r] ─ reduce ─► dropout ─► + x
         fwd: identity               (local, no talk)       fwd: all-reduce (sum of t partials)
-        bwd: all-reduce (each rank's                       bwd: identity (every rank needs
-             dx is a partial sum)                               the whole gradient)
 
 A column split gives each rank *some output features* of every token: to use them as a whole
 activation they must be *gathered* (we do not: the row split after it wants exactly that split
@@ -28,7 +26,6 @@ Sequence parallel: LayerNorm, dropout and the residual add stay on sequence shar
 and the region edges become the two halves of a ring all-reduce (see ``mappings.py``)::
 
     x_r (B,T/t,C) ─ ln ─ all-gather(T) ─► column ─► row ─ reduce-scatter(T) ─► dropout ─► + x_r
-                         bwd: reduce-scatter                bwd: all-gather
 
 Under SP a replicated weight (LayerNorm, row bias) sees only my tokens, so its gradient is a
 partial sum: its Shard says ``partial`` and the model sums it over the group after backward.

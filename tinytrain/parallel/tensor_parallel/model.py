@@ -6,7 +6,7 @@ Who holds what, and where ranks talk (t ranks in the TP group; SP: sequence para
      │
      ├─ wte: VocabParallelEmbedding     my V/t rows; all-reduce of the t lookups
      ├─ + wpe (replicated)
-     ├─ SP only: ScatterToSequenceRegion  keep my T/t positions   (bwd: all-gather)
+     ├─ SP only: ScatterToSequenceRegion  keep my T/t positions
      ├─ dropout ("drop")                the serial mask, my piece of it
      │
      ├─ ParallelBlock × n_layer         per block: attention and MLP, each one region
