@@ -70,7 +70,7 @@ def my_piece(arr, axis, group):
 
 
 class CopyToRegion(Function):
-    """Enter a tensor-parallel region: identity forward; backward all-reduces the partial dx."""
+    """Enter a tensor-parallel region (Megatron's f): the same tensor on every rank goes in as it is."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -78,11 +78,11 @@ class CopyToRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.1: Each rank's input gradient covers only the paths through its own columns: every rank needs their total.")
+        raise NotImplementedError("TODO 4.1: The gradient of this function's input from the gradient of its output, derived from what the forward did (the handout asks), sending no more than that needs.")
 
 
 class ReduceFromRegion(Function):
-    """Leave a row-parallel region: all-reduce the partial sums forward; identity backward."""
+    """Leave a row-parallel region (Megatron's g): every rank leaves with the sum of the t partial outputs."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -90,7 +90,7 @@ class ReduceFromRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.1: Each partial output fed the whole total, so its gradient is the incoming one, unchanged.")
+        raise NotImplementedError("TODO 4.1: The gradient of this function's input from the gradient of its output, derived from what the forward did (the handout asks), sending no more than that needs.")
 
 
 class GatherFromRegion(Function):
@@ -102,7 +102,7 @@ class GatherFromRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.1: The whole tensor was the same everywhere, so only this rank's columns of its gradient flow back, and nothing is sent.")
+        raise NotImplementedError("TODO 4.1: The gradient of this function's input from the gradient of its output, derived from what the forward did (the handout asks), sending no more than that needs.")
 
 
 class ScatterToRegion(Function):
@@ -114,7 +114,7 @@ class ScatterToRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.1: Each rank holds the gradient of its own columns only; every rank needs all of them, side by side.")
+        raise NotImplementedError("TODO 4.1: The gradient of this function's input from the gradient of its output, derived from what the forward did (the handout asks), sending no more than that needs.")
 
 
 # --- 4.5 sequence-parallel regions -----------------------------------------------------------------
@@ -129,7 +129,7 @@ class GatherFromSequenceRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.5: Each rank's gradient of the whole sequence is partial; each keeps the total for its own positions only.")
+        raise NotImplementedError("TODO 4.5: The gradient of this function's input from the gradient of its output, derived from what the forward did (the handout asks), sending no more than that needs.")
 
 
 class ReduceScatterToSequenceRegion(Function):
@@ -141,7 +141,7 @@ class ReduceScatterToSequenceRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.5: Every rank's partial output fed the total at all positions, so each needs the gradient of the whole sequence.")
+        raise NotImplementedError("TODO 4.5: The gradient of this function's input from the gradient of its output, derived from what the forward did (the handout asks), sending no more than that needs.")
 
 
 class ScatterToSequenceRegion(Function):
@@ -153,4 +153,4 @@ class ScatterToSequenceRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("TODO 4.5: Put the positions' gradients, each on its owner, back together into the whole sequence on every rank.")
+        raise NotImplementedError("TODO 4.5: The gradient of this function's input from the gradient of its output, derived from what the forward did (the handout asks), sending no more than that needs.")

@@ -548,16 +548,33 @@ def test_sync_gradients_dense_over_the_data_group_experts_over_dp(impl, case):
 
 # --- 6.5 loss-free balancing: the routing bias ---------------------------------------------------------
 
-# loads (assignments that chose each expert, the whole batch); the test writes the rule out case by case;
-# fixed hard cases besides a drawn one: all equal, one expert takes everything, loads exactly at the
-# mean, a single expert, loads that are floats
+# Fixed hard cases: loads (assignments that chose each expert, the whole batch) and each expert's
+# move in units of the rate, written out: all equal, one expert takes everything, loads exactly at
+# the mean, a single expert, loads that are floats. A drawn load is checked by the rule's properties.
 BIAS_CASES = {
-    "equal": [5, 5, 5, 5],
-    "one-hogs-all": [0, 12, 0, 0, 0, 0],
-    "at-the-mean": [7, 1, 4, 4],
-    "one-expert": [9],
-    "floats": [0.5, 2.25, 1.0],
+    "equal": ([5, 5, 5, 5], [0, 0, 0, 0]),
+    "one-hogs-all": ([0, 12, 0, 0, 0, 0], [1, -1, 1, 1, 1, 1]),
+    "at-the-mean": ([7, 1, 4, 4], [-1, 1, 0, 0]),
+    "one-expert": ([9], [0]),
+    "floats": ([0.5, 2.25, 1.0], [1, -1, 1]),
 }
+
+
+def check_bias_moves(load, moves, what) -> None:
+    """A drawn load: each expert moves by exactly one rate or not at all; a busier expert never moves
+    up more than a quieter one; experts with equal loads move alike; and some move both ways unless
+    all loads are equal (then none moves)."""
+    assert np.all(np.isin(moves, (-1.0, 0.0, 1.0))), f"{what}: moves {moves.tolist()} (in rates) are not -1, 0 or +1"
+    for i in range(len(load)):
+        for j in range(len(load)):
+            if load[i] > load[j]:
+                assert moves[i] <= moves[j], f"{what}: expert {i} (load {load[i]}) moved up more than {j} ({load[j]})"
+            if load[i] == load[j]:
+                assert moves[i] == moves[j], f"{what}: experts {i} and {j} have one load but moved differently"
+    if len(set(load.tolist())) > 1:
+        assert moves.max() == 1 and moves.min() == -1, f"{what}: unequal loads, but moves {moves.tolist()}"
+    else:
+        assert not moves.any(), f"{what}: equal loads, but moves {moves.tolist()}"
 
 
 @pytest.mark.task("6.5")
@@ -565,21 +582,28 @@ BIAS_CASES = {
 def test_bias_moves_each_expert_against_its_load(impl, case):
     seed = grading_seed()
     rng = np.random.default_rng(seed)
-    load = rng.integers(0, 20, size=int(rng.integers(2, 9))) if case == "drawn" else np.array(BIAS_CASES[case])
+    if case == "drawn":
+        load, want = rng.integers(0, 20, size=int(rng.integers(2, 9))), None
+    else:
+        load, want = np.array(BIAS_CASES[case][0]), np.array(BIAS_CASES[case][1], dtype=float)
     E, rate = load.shape[0], float(rng.uniform(1e-4, 0.1))
     moe = MoE(4, 8, E, top_k=1, balance="bias", bias_rate=rate)
     start = rng.normal(0, 0.1, E)  # a bias that has moved before
     moe.route_bias = start.copy()
     what = f"{case}: load {load.tolist()}, rate {rate:.4g} (seed {seed})"
+    first = None
     for steps in (1, 2):  # it accumulates: each step one more nudge
         impl.expert_parallel.update_bias(moe, load)
-        mean = load.sum() / E
-        want = start + steps * rate * np.array([1.0 if x < mean else -1.0 if x > mean else 0.0 for x in load])
         bias = np.asarray(moe.route_bias)
         assert bias.shape == (E,), f"{what}: route_bias has shape {bias.shape}, expected ({E},)"
+        moves = np.round((bias - start) / (steps * rate), 9)
+        first = moves if first is None else first
+        if want is None:
+            check_bias_moves(load, moves, what)
+            want = first  # the second update must repeat the first's moves
         assert_close(
             bias,
-            want,
+            start + steps * rate * want,
             rtol=1e-12,
             atol=1e-15,
             what=f"{what}: route_bias after {steps} update(s); an expert above the mean load moves down by the rate, "

@@ -9,12 +9,8 @@ contiguous: N chunks of T/N, rank r holds chunk r. Rank r computes r + 1 blocks 
 products, rank N−1 N times as many as rank 0: the ring waits for the slowest.
 
 zigzag: 2N chunks of T/(2N), two a rank, one early and one late, paired so that every rank
-computes the same 2N + 1 blocks of (T/(2N))² products: balanced. N = 4, T = 16 (two positions a
-chunk)::
-
-    chunk     0  1  2  3  4  5  6  7
-    rank      0  1  2  3  3  2  1  0
-    rank 0: positions 0 1 14 15      rank 1: 2 3 12 13      rank 2: 4 5 10 11     rank 3: 6 7 8 9
+computes the same 2N + 1 blocks of (T/(2N))² products: balanced (which pair: task 7.4, its
+handout's worked case).
 
 Every rank keeps its positions sorted (its early chunk, then its late one): ``positions(T, r, N,
 split)`` says which tokens of the batch a rank takes (``ids[:, positions]``).

@@ -28,7 +28,8 @@ and the region edges become the two halves of a ring all-reduce (see ``mappings.
     x_r (B,T/t,C) ─ ln ─ all-gather(T) ─► column ─► row ─ reduce-scatter(T) ─► dropout ─► + x_r
 
 Under SP a replicated weight (LayerNorm, row bias) sees only my tokens, so its gradient is a
-partial sum: its Shard says ``partial`` and the model sums it over the group after backward.
+partial sum: its Shard says ``partial`` and a hook the model registers sums it over the group as
+backward produces it.
 
 Dropout ("per-region RNG"): each layer keeps its serial dropout's name in ``dropout_site``; the
 mask comes from a generator keyed by (seed, step, site) (``tinytrain.random``), is drawn for the
@@ -273,8 +274,8 @@ class ParallelBlock(Parallel):
 
 
 class VocabParallelEmbedding(Parallel):
-    """Rank r holds rows [r·V/t, (r+1)·V/t) of the table: it looks up the ids in its range, writes
-    zeros for the others, and the all-reduce adds the t lookups (exactly one is non-zero)."""
+    """Rank r holds rows [r·V/t, (r+1)·V/t) of the table; every rank returns every token's vector,
+    the serial lookup's, with one all-reduce of (B, T, C) (task 4.4)."""
 
     def __init__(self, embedding, group, name="wte"):
         super().__init__(group, sequence_parallel=False)

@@ -66,7 +66,7 @@ def my_piece(arr, axis, group):
 
 
 class CopyToRegion(Function):
-    """Enter a tensor-parallel region: identity forward; backward all-reduces the partial dx."""
+    """Enter a tensor-parallel region (Megatron's f): the same tensor on every rank goes in as it is."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -77,13 +77,13 @@ class CopyToRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.1 "Each rank's input gradient covers only the paths through its own columns: every rank needs their total." full="Each rank's dx covers only its columns' paths: sum them (all-reduce)."
+        # BEGIN SOLUTION 4.1 "The gradient of this function's input from the gradient of its output, derived from what the forward did (the handout asks), sending no more than that needs." full="Each rank's dx covers only its columns' paths: sum them (all-reduce)."
         return all_reduce_copy(grad, ctx.group), None
         # END SOLUTION
 
 
 class ReduceFromRegion(Function):
-    """Leave a row-parallel region: all-reduce the partial sums forward; identity backward."""
+    """Leave a row-parallel region (Megatron's g): every rank leaves with the sum of the t partial outputs."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -93,7 +93,7 @@ class ReduceFromRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.1 "Each partial output fed the whole total, so its gradient is the incoming one, unchanged." full="Every rank's partial output fed the whole sum: it gets the whole gradient."
+        # BEGIN SOLUTION 4.1 "The gradient of this function's input from the gradient of its output, derived from what the forward did (the handout asks), sending no more than that needs." full="Every rank's partial output fed the whole sum: it gets the whole gradient."
         return grad, None
         # END SOLUTION
 
@@ -110,7 +110,7 @@ class GatherFromRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.1 "The whole tensor was the same everywhere, so only this rank's columns of its gradient flow back, and nothing is sent." full="Only my columns came from me: keep my piece of the last axis."
+        # BEGIN SOLUTION 4.1 "The gradient of this function's input from the gradient of its output, derived from what the forward did (the handout asks), sending no more than that needs." full="Only my columns came from me: keep my piece of the last axis."
         return my_piece(grad, -1, ctx.group), None
         # END SOLUTION
 
@@ -127,7 +127,7 @@ class ScatterToRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.1 "Each rank holds the gradient of its own columns only; every rank needs all of them, side by side." full="Each piece's gradient is on its rank: all-gather them along axis -1."
+        # BEGIN SOLUTION 4.1 "The gradient of this function's input from the gradient of its output, derived from what the forward did (the handout asks), sending no more than that needs." full="Each piece's gradient is on its rank: all-gather them along axis -1."
         return all_gather_along(grad, -1, ctx.group), None
         # END SOLUTION
 
@@ -147,7 +147,7 @@ class GatherFromSequenceRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.5 "Each rank's gradient of the whole sequence is partial; each keeps the total for its own positions only." full="Every rank's grad is partial (its columns): reduce-scatter along axis 1."
+        # BEGIN SOLUTION 4.5 "The gradient of this function's input from the gradient of its output, derived from what the forward did (the handout asks), sending no more than that needs." full="Every rank's grad is partial (its columns): reduce-scatter along axis 1."
         return reduce_scatter_along(grad, 1, ctx.group), None
         # END SOLUTION
 
@@ -164,7 +164,7 @@ class ReduceScatterToSequenceRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.5 "Every rank's partial output fed the total at all positions, so each needs the gradient of the whole sequence." full="Every partial sum needs the whole gradient: all-gather along axis 1."
+        # BEGIN SOLUTION 4.5 "The gradient of this function's input from the gradient of its output, derived from what the forward did (the handout asks), sending no more than that needs." full="Every partial sum needs the whole gradient: all-gather along axis 1."
         return all_gather_along(grad, 1, ctx.group), None
         # END SOLUTION
 
@@ -181,6 +181,6 @@ class ScatterToSequenceRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION 4.5 "Put the positions' gradients, each on its owner, back together into the whole sequence on every rank." full="All-gather the pieces' gradients along axis 1."
+        # BEGIN SOLUTION 4.5 "The gradient of this function's input from the gradient of its output, derived from what the forward did (the handout asks), sending no more than that needs." full="All-gather the pieces' gradients along axis 1."
         return all_gather_along(grad, 1, ctx.group), None
         # END SOLUTION
