@@ -260,7 +260,7 @@ def test_a_parameter_without_gradient_on_one_rank_still_takes_part(impl, stage):
     """Rank 3's backward never meets ``aux``: its gradient stays None there and (stage 2) its hook
     never fires. Rank 3 must still join aux's reduce-scatter, with zeros, and in the same turn as
     the others, and the result must be the serial run's (whose loss adds the aux term with weight
-    3/4). aux is the last parameter, so on ranks 0-2 its gradient is the first one complete."""
+    3/4)."""
     case = Case("sgd")
     rank = dist.get_rank()
     serial_model = with_aux(case, case.model())
@@ -277,8 +277,11 @@ def test_a_parameter_without_gradient_on_one_rank_still_takes_part(impl, stage):
         for p in model.parameters():
             p.grad = None
         x, y = (shard_rows(a, rank, 4) for a in case.batch(t))
+        # aux's term is computed first, so on ranks 0-2 its gradient is complete first (the engine
+        # completes the parameters in an order of its own), and not at all on rank 3
+        aux_term = (model.aux * model.aux).sum() if USES_AUX[rank] else None
         loss = F.cross_entropy(zero(xp.asarray(x)), xp.asarray(y))
-        zero.backward(loss + (model.aux * model.aux).sum() if USES_AUX[rank] else loss)
+        zero.backward(loss + aux_term if aux_term is not None else loss)
         zero.step()
     for name, p in serial_model.named_parameters():
         assert_matches_serial(
@@ -289,18 +292,19 @@ def test_a_parameter_without_gradient_on_one_rank_still_takes_part(impl, stage):
         )
 
 
-@pytest.mark.task("3.3")
 @pytest.mark.world_size(4)
-def test_zero3_a_parameter_without_gradient_on_one_rank_still_takes_part(impl):
-    """Stage 3, two units of a small model; the second unit's ``aux`` enters rank 3's loss never, so
-    rank 3's recomputed backward never completes it. The parameters after SGD steps must equal the
-    serial run's (whose loss adds the aux term with weight 3/4)."""
+@pytest.mark.parametrize("stage", [pytest.param(k, marks=pytest.mark.task(f"3.{k}")) for k in (2, 3)])
+def test_a_parameter_used_midway_by_three_ranks_of_four(impl, stage):
+    """A small model x ─ a ─ (+ Σ aux², ranks 0-2 only) ─ b ─ mean: on ranks 0-2 backward completes
+    b, then aux, then a; on rank 3 b, then a, and aux never. Every rank must still start its
+    reduce-scatters in the same turns (stage 3: two units, aux in the first). The parameters after
+    SGD steps must equal the serial run's, whose loss is the mean of the four ranks' losses."""
     from tinytrain.autograd import Parameter
     from tinytrain.nn import Module
 
     seed, rank = grading_seed(), dist.get_rank()
     rng = np.random.default_rng(seed)
-    start = {"a": rng.normal(size=(6, 5)), "b": rng.normal(size=(5, 3)), "aux": rng.normal(size=7)}
+    start = {"a": rng.normal(size=(6, 5)), "aux": rng.normal(size=7), "b": rng.normal(size=(5, 3))}
     rows = rng.normal(size=(STEPS, 8, 6)).astype(np.float32)  # 2 rows per rank and step
 
     class Toy(Module):
@@ -308,32 +312,40 @@ def test_zero3_a_parameter_without_gradient_on_one_rank_still_takes_part(impl):
             super().__init__()
             for name, value in start.items():
                 setattr(self, name, Parameter(xp.asarray(value.astype(np.float32))))
+            self.uses_aux = True
 
-    def units(toy, uses_aux):
-        def head(h):
-            y = h @ toy.b
-            return y + (toy.aux * toy.aux).sum() if uses_aux else y
+        def first(self, x):
+            h = x @ self.a
+            return h + (self.aux * self.aux).sum() if self.uses_aux else h
 
-        return [("a", lambda x: x @ toy.a, [toy.a]), ("b", head, [toy.b, toy.aux])]
+        def forward(self, x):
+            return self.first(x) @ self.b
 
     serial = Toy()
     opt = SGD(serial.parameters(), lr=0.1)
     for t in range(STEPS):
         opt.zero_grad()
-        ((xp.asarray(rows[t]) @ serial.a @ serial.b).mean() + (serial.aux * serial.aux).sum() * 0.75).backward()
+        losses = []
+        for r in range(4):
+            serial.uses_aux = USES_AUX[r]
+            losses.append(serial(xp.asarray(rows[t][2 * r : 2 * r + 2])).mean())
+        (sum(losses[1:], losses[0]) * 0.25).backward()
         opt.step()
     toy = Toy()
-    zero = impl.zero.Zero(toy, SGD(toy.parameters(), lr=0.1), stage=3, units=units(toy, USES_AUX[rank]))
+    toy.uses_aux = USES_AUX[rank]
+    units = [("a", toy.first, [toy.a, toy.aux]), ("b", lambda h: h @ toy.b, [toy.b])]
+    zero = impl.zero.Zero(toy, SGD(toy.parameters(), lr=0.1), stage=stage, units=units if stage == 3 else None)
     for t in range(STEPS):
         for p in toy.parameters():
             p.grad = None
         zero.backward(zero(xp.asarray(rows[t][2 * rank : 2 * rank + 2])).mean())
         zero.step()
-    zero.materialize()
+    if stage == 3:
+        zero.materialize()
     for name, p in serial.named_parameters():
         assert_matches_serial(
             to_host(dict(toy.named_parameters())[name].data),
             to_host(p.data),
             4,
-            f"ZeRO-3 with a parameter that has no gradient on rank 3: {name} (seed {seed})",
+            f"ZeRO-{stage} with a parameter that has no gradient on rank 3: {name} (seed {seed})",
         )
