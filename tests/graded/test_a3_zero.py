@@ -292,6 +292,33 @@ def test_a_parameter_without_gradient_on_one_rank_still_takes_part(impl, stage):
         )
 
 
+@pytest.mark.task("3.2")
+@pytest.mark.world_size(4)
+def test_zero2_over_a_pipeline_stages_parameters_with_two_micro_batches(impl):
+    """A pipeline stage hands ZeRO-2 its parameters as a list and runs one plain backward per
+    micro-batch, then syncs once: each gradient completes twice before the sync (the second
+    backward must start the turns again), and the parameters after the steps equal the serial run's."""
+    case = Case("sgd")
+    rank = dist.get_rank()
+    want = serial(case)
+    model = case.model()
+    zero = impl.zero.Zero(model.parameters(), case.optimizer(model), stage=2)
+    for t in range(STEPS):
+        for p in model.parameters():
+            p.grad = None
+        x, y = (shard_rows(a, rank, 4) for a in case.batch(t))
+        half = x.shape[0] // 2
+        for rows in (slice(0, half), slice(half, None)):  # two micro-batches of this rank's rows, uneven
+            share = len(x[rows]) / len(x)  # a micro-batch's mean weighs by its rows
+            (F.cross_entropy(model(xp.asarray(x[rows])), xp.asarray(y[rows])) * share).backward()
+        zero.finish_gradient_sync()
+        zero.step()
+    for name, p in model.named_parameters():
+        assert_matches_serial(
+            to_host(p.data), want[name], 4, case.what(f"ZeRO-2 over a parameter list, 2 micro-batches: {name}")
+        )
+
+
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("stage", [pytest.param(k, marks=pytest.mark.task(f"3.{k}")) for k in (2, 3)])
 def test_a_parameter_used_midway_by_three_ranks_of_four(impl, stage):

@@ -564,17 +564,25 @@ def check_bias_moves(load, moves, what) -> None:
     """A drawn load: each expert moves by exactly one rate or not at all; a busier expert never moves
     up more than a quieter one; experts with equal loads move alike; and some move both ways unless
     all loads are equal (then none moves)."""
-    assert np.all(np.isin(moves, (-1.0, 0.0, 1.0))), f"{what}: moves {moves.tolist()} (in rates) are not -1, 0 or +1"
+    assert np.all(np.isin(moves, (-1.0, 0.0, 1.0))), (
+        f"{what}: route_bias moved by {moves.tolist()} rates; each expert moves by one rate or not at all"
+    )
     for i in range(len(load)):
         for j in range(len(load)):
             if load[i] > load[j]:
-                assert moves[i] <= moves[j], f"{what}: expert {i} (load {load[i]}) moved up more than {j} ({load[j]})"
+                assert moves[i] <= moves[j], (
+                    f"{what}: route_bias of expert {i} (load {load[i]}) moved up more than expert {j}'s (load "
+                    f"{load[j]}): a busier expert is made less attractive, against the mean load"
+                )
             if load[i] == load[j]:
-                assert moves[i] == moves[j], f"{what}: experts {i} and {j} have one load but moved differently"
+                assert moves[i] == moves[j], f"{what}: route_bias of experts {i} and {j} (one load) moved differently"
     if len(set(load.tolist())) > 1:
-        assert moves.max() == 1 and moves.min() == -1, f"{what}: unequal loads, but moves {moves.tolist()}"
+        assert moves.max() == 1 and moves.min() == -1, (
+            f"{what}: unequal loads, but route_bias moved by {moves.tolist()} rates: some experts are above the "
+            "mean load and some below"
+        )
     else:
-        assert not moves.any(), f"{what}: equal loads, but moves {moves.tolist()}"
+        assert not moves.any(), f"{what}: every expert at the mean load, but route_bias moved by {moves.tolist()}"
 
 
 @pytest.mark.task("6.5")

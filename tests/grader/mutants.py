@@ -474,6 +474,14 @@ MUTANTS += [
         "        for s in [self.shard_of[id(p)]]:\n",
         "rank 3|no gradient|off from the serial|mismatch|called",
     ),
+    M(  # a pipeline stage's second micro-batch completes every gradient again before the sync
+        "zero2_a_second_backward_starts_no_turns",
+        "3.2",
+        A3,
+        "        if id(p) in self.ready:\n            self._close_turns()\n",
+        "",
+        "micro-batch|off from the serial",
+    ),
     M(  # the sync waits only for what backward started: a parameter unused on one rank is never reduced there
         "zero2_sync_forgets_the_parameters_backward_never_completed",
         "3.2",
