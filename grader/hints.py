@@ -23,8 +23,8 @@ import textwrap
 import tokenize
 from dataclasses import dataclass
 
-from .config import ROOT, load_rubric
-from .stubs import find_regions
+from .config import ROOT
+from .stubs import solution_regions
 
 BRIEF_MEDIAN_LIMIT = 0.10
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -65,19 +65,14 @@ def hint_words(hint: str) -> set[str]:
 
 
 def shares(level: str = "brief", root=ROOT) -> list[Share]:
-    rubric = load_rubric(root / "grader" / "rubric.toml")
     out = []
-    for a in rubric.assignments.values():
-        for reference in a.references:
-            text = (root / reference).read_text()
-            lines = text.splitlines()
-            for r in find_regions(text, reference):
-                code = "\n".join(line for line in lines[r.begin + 1 : r.end] if not line.strip().startswith("#"))
-                used = solution_identifiers(textwrap.dedent(code))
-                said = r.todo(level).partition(": ")[2]
-                words = hint_words(said)
-                named = {u for u in used if u in words}
-                out.append(Share(reference, r.begin + 1, r.task, said, frozenset(used), frozenset(named)))
+    for reference, r, lines in solution_regions(root):
+        code = "\n".join(line for line in lines if not line.strip().startswith("#"))
+        used = solution_identifiers(textwrap.dedent(code))
+        said = r.todo(level).partition(": ")[2]
+        words = hint_words(said)
+        named = {u for u in used if u in words}
+        out.append(Share(reference, r.begin + 1, r.task, said, frozenset(used), frozenset(named)))
     return out
 
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ROOT, load_rubric
-from .stubs import HINT_LEVELS, assignment_texts, find_regions, released_reference_text
+from .stubs import HINT_LEVELS, assignment_texts, released_reference_text, solution_regions
 
 MEDIAN_LIMIT = 0.10
 REGION_LIMIT = 0.25
@@ -416,16 +416,11 @@ def leaks(level: str = "brief", root: Path = ROOT) -> list[Leak]:
     if level not in HINT_LEVELS:
         raise ValueError(f"hint level {level!r}: choose one of {', '.join(HINT_LEVELS)}")
     index = copy_index(level, root)
-    rubric = load_rubric(root / "grader" / "rubric.toml")
     out = []
-    for a in rubric.assignments.values():
-        for reference in a.references:
-            text = (root / reference).read_text()
-            lines = text.splitlines()
-            for r in find_regions(text, reference):
-                mine = solution_units(textwrap.dedent("\n".join(lines[r.begin + 1 : r.end])))
-                found = {form: index[form] for form in mine if form in index}
-                out.append(Leak(reference, r.begin + 1, r.task, mine, found))
+    for reference, r, lines in solution_regions(root):
+        mine = solution_units(textwrap.dedent("\n".join(lines)))
+        found = {form: index[form] for form in mine if form in index}
+        out.append(Leak(reference, r.begin + 1, r.task, mine, found))
     return out
 
 

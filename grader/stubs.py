@@ -100,6 +100,17 @@ def find_regions(text: str, path: str = "<text>") -> list[Region]:
     return regions
 
 
+def solution_regions(root: Path = ROOT):
+    """(reference file, region, the region's code lines) of every solution region the rubric knows."""
+    rubric = load_rubric(root / "grader" / "rubric.toml")
+    for a in rubric.assignments.values():
+        for reference in a.references:
+            text = (root / reference).read_text()
+            lines = text.splitlines()
+            for r in find_regions(text, reference):
+                yield reference, r, lines[r.begin + 1 : r.end]
+
+
 def _solved(regions: list[Region], solved) -> set[str]:
     """The tasks whose solutions stay: ``solved`` is a bool (all or none) or a collection of task ids."""
     if isinstance(solved, bool):
