@@ -560,6 +560,7 @@ MUTANTS += [
         "        return self.dropout(self.proj(y), self.p, self.training)\n",
         "        return self.proj(y)\n",
         "attention|dropout|output",
+        ci=True,
     ),
     M(
         "attention_enters_once_per_projection",
@@ -1241,7 +1242,7 @@ CI_MUTANTS = (
     "all_to_all_in_one_step",
     "tree_of_log2_rounds_misses_ranks_when_n_is_not_a_power_of_two",
     "ddp_sums_instead_of_averaging",
-    "parallel_mlp_forgets_dropout",
+    "parallel_attention_forgets_dropout",
     "received_buffer_reused_across_microbatches",
     "interleaved_warmup_too_short",
     "dispatch_without_regrouping_by_expert",

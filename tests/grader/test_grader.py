@@ -126,9 +126,9 @@ def test_grader_refuses_an_assignment_that_imports_the_reference(tmp_path):
 def test_a_refused_call_costs_only_the_task_whose_code_makes_it(tmp_path):
     """MPI's own Bcast inside the broadcast (1.5): only 1.5 is refused, the other tasks are graded."""
     text = assignment_text(A1, RUBRIC, solved=True)
-    text = text.replace(
-        "    kids = tree_children(v, n)\n", "    kids = tree_children(v, n)\n    c.group.comm.Bcast(flat)\n"
-    )
+    anchor = "    if kids:\n        # All children at once"
+    assert text.count(anchor) == 1
+    text = text.replace(anchor, "    c.group.comm.Bcast(flat)\n" + anchor)
     folder = tmp_path / "borrows"
     folder.mkdir()
     (folder / Path(A1.file).name).write_text(text)
