@@ -170,7 +170,9 @@ def test_bench_plan_sets_the_calibrated_planners_step_beside_a_measured_one(caps
     )
     assert parts, out
     step, compute, grads, loss = map(float, parts.groups())
-    assert compute > 0 and grads > 0 and loss > 0 and abs(step - (compute + grads + loss)) <= 0.015, out
+    # The loss average is 8 bytes: where the fit puts alpha at 0 (a loaded machine's noisy rounds;
+    # CI met one) its time prints as 0.00 ms, so it is only checked to be there and not negative.
+    assert compute > 0 and grads > 0 and loss >= 0 and abs(step - (compute + grads + loss)) <= 0.015, out
     measured = re.search(r"measured step ([\d.]+) ms; ratio predicted / measured ([\d.]+)", out)
     assert measured and float(measured.group(1)) > 0, out
     assert abs(float(measured.group(2)) - step / float(measured.group(1))) < 0.01 + 0.01 * step, out

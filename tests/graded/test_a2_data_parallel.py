@@ -333,9 +333,8 @@ def serial_with_aux(case):
 )
 def test_a_parameter_without_gradient_on_one_rank_still_takes_part(impl, kind):
     """A parameter no rank-3 loss uses has no gradient there (None): rank 3 must still take part in
-    its all-reduce (or its push), with zeros, or the ranks' messages no longer match. (Local SGD is
-    left out: rank 3's own optimizer does not step a parameter without a gradient, so its replica is
-    not the serial run's by design.)"""
+    its all-reduce (or its push), with zeros, or the ranks' messages no longer match. (Local SGD:
+    its own test below, with an inner SGD for which a skipped step is a zero one.)"""
     case = Case()
     want = serial_with_aux(case)
     rank = dist.get_rank()
@@ -599,6 +598,35 @@ def test_local_sgd_with_one_local_step_is_the_serial_run(impl, size):
     want = serial_rows(case, size)
     for name, p in model.named_parameters():
         assert_matches_serial(to_host(p.data), want[name], 4, case.what(f"H = 1, {size} ranks: parameter {name}"))
+
+
+@pytest.mark.task("2.6")
+@pytest.mark.world_size(4)
+def test_local_sgd_with_a_parameter_without_gradient_on_one_rank(impl):
+    """H = 1 with a plain inner SGD (no momentum, no decay: a step a replica skips for want of a
+    gradient is a step with a zero one). Rank 3 never completes ``aux``, yet its replica must take
+    part in the outer average of every parameter, and the run stays the serial run (whose loss adds
+    the aux term with weight 3/4)."""
+    case = Case()
+    rank = dist.get_rank()
+    serial_model = with_aux(case, case.model())
+    opt = SGD(serial_model.parameters(), lr=0.1)
+    for t in range(STEPS):
+        opt.zero_grad()
+        (loss_on(serial_model, *case.batch(t)) + aux_term(serial_model, sum(USES_AUX) / 4)).backward()
+        opt.step()
+    want = {n: to_host(p.data) for n, p in serial_model.named_parameters()}
+    model = with_aux(case, case.model())
+    local = impl.data_parallel.LocalSGD(model, local_steps=1)
+    local.optimizer = SGD(model.parameters(), lr=0.1)
+    for t in range(STEPS):
+        for p in model.parameters():
+            p.grad = None
+        x, y = (shard_rows(a, rank, 4) for a in case.batch(t))
+        loss = loss_on(local, x, y)
+        local.backward(loss + aux_term(model, 1.0) if USES_AUX[rank] else loss)
+        local.step()
+    check_params(case, model, want, "LocalSGD (H = 1) with a parameter that has no gradient on rank 3")
 
 
 @pytest.mark.task("2.6")

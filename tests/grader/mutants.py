@@ -401,6 +401,15 @@ MUTANTS += [
         "        delta = flatten([p.data for p in self.params]) - self.start.data\n",
         "opposite sign",
     ),
+    M(  # a replica averages only what it trained: rank 3's aux is left out of its buffer
+        "local_sgd_averages_only_the_parameters_with_a_gradient",
+        "2.6",
+        A2,
+        "        delta = self.start.data - flatten([p.data for p in self.params])\n",
+        "        delta = self.start.data[: sum(p.size for p in self.params if p.grad is not None)] - flatten(\n"
+        "            [p.data for p in self.params if p.grad is not None]\n        )\n",
+        "rank 3|no gradient|mismatch|shape|size|off from the serial",
+    ),
     M(
         "outer_step_leaves_the_replicas_where_they_are",
         "2.6",

@@ -403,9 +403,8 @@ class AsyncParameterServer(ParameterServer):
 
     A worker's gradient was computed on the parameters it last pulled; the updates the server applied
     since are its **staleness** (versions behind), recorded for every gradient (``staleness``).
-    ``max_staleness=k`` bounds it (stale synchronous parallel): an update is held back while it
-    would leave a worker's next gradient more than k versions behind, and the gradients that came
-    meanwhile are averaged into one update. k = 0 waits for every gradient: synchronous PS exactly.
+    ``max_staleness=k`` bounds it (stale synchronous parallel: the rule is task 2.5's, in its
+    handout). k = 0 waits for every gradient: synchronous PS exactly.
 
     ``order="arrival"`` serves gradients as MPI delivers them (not reproducible); ``"seeded"`` serves
     the workers in an order drawn from (seed, step): the asynchrony a test can replay. The server
@@ -543,11 +542,11 @@ class AsyncParameterServer(ParameterServer):
 
 class LocalSGD(Wrapper):
     """Every replica takes ``local_steps`` (H) optimizer steps on its own rows without talking, then
-    the replicas average their parameter deltas and an outer optimizer moves the shared start::
+    an outer optimizer moves the shared start by how far the replicas moved, averaged (DiLoCo's
+    outer gradient: task 2.6, whose handout states the rule and asks for its sign)::
 
         θ (the same on every rank) ─► rank r: H inner steps ─► θ_r
-        Δ = all_reduce(avg) of (θ - θ_r)         one all-reduce of Ψ per H steps, not per step
-        θ ← outer_step(θ, Δ)  (Δ is the outer "gradient"), every rank starts again from θ
+        one all-reduce of Ψ per H steps, not per step ─► the outer step on θ, every rank from the new θ
 
     Outer SGD with lr 1 and no momentum is θ ← mean of θ_r: plain local SGD (parameter averaging);
     with H = 1 and an inner SGD it is synchronous data parallel (the update is linear in the
