@@ -20,9 +20,13 @@ from grader.run import mpi_environment
 from tinytrain import checkpoint
 from tinytrain.cli import main
 
+# 64 steps: the serial run lasts about 0.3 s to its first checkpoint and 9 ms a step after it (2
+# cores, measured), so the kill at a random moment of the next 0.2 s always meets it running (with
+# 24 steps, 0.22 s were left: a CI run once found it finished)
+STEPS = 64
 TINY = (
-    "--layers 1 --width 32 --heads 2 --batch-size 8 --steps 24 --eval-every 1000 --eval-batches 1 --warmup 1 "
-    "--no-plot --quiet --ckpt-every 1"
+    f"--layers 1 --width 32 --heads 2 --batch-size 8 --steps {STEPS} --eval-every 1000 --eval-batches 1 "
+    "--warmup 1 --no-plot --quiet --ckpt-every 1"
 ).split()
 
 # Write a few bytes of step 3's piece, then die: the kill lands inside the write itself.
@@ -65,7 +69,7 @@ def losses(out) -> list[float]:
 def resume_onto_the_curve(tmp_path, ranks: int, straight) -> None:
     """The checkpoint left behind loads; --resume ends where the uninterrupted run ended."""
     step = checkpoint.Reader(tmp_path / "run" / "ckpt").meta["step"]
-    assert 1 <= step <= 24
+    assert 1 <= step <= STEPS
     r = subprocess.run(command(ranks) + ["--resume"], cwd=tmp_path, env=environment(), timeout=120)
     assert r.returncode == 0
     # serial: the same numbers; data parallel: the serial run's to float32 reordering
