@@ -73,9 +73,14 @@ def check_fixed(sched, expected, what):
     for s, (actions, want) in enumerate(zip(sched, expected)):
         got = order(actions)
         if got != want:
-            i = next((i for i, (x, y) in enumerate(zip(got.split(), want.split())) if x != y), None)
-            at = f"first difference at position {i}" if i is not None else "one list is longer"
-            raise AssertionError(f"{what}: stage {s} runs\n  {got}\nexpected\n  {want}\n({at})")
+            mine, theirs = got.split(), want.split()
+            i = next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
+            yours, wanted = (a[i] if i < len(a) else "none" for a in (mine, theirs))
+            first = f"pass {i} is {yours}, expected {wanted}"
+            raise AssertionError(  # the cause on the first line: the score table shows only that one
+                f"{what}: stage {s}'s order differs from the schedule's from its pass {i} on ({first}; "
+                f"a warm-up, pairing or drain off?)\n  got      {got}\n  expected {want}"
+            )
 
 
 # --- 5.2 GPipe -------------------------------------------------------------------------------------
