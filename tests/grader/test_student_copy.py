@@ -203,6 +203,7 @@ def test_grading_without_mpirun_is_one_sentence(tmp_path):
     [
         ("communication", r"not drawn until tasks (\d\.\d, )*\d\.\d are done: ring all-reduce, .*DP"),
         ("context_parallel", r"zigzag: not drawn until TODO 7\.\d is done"),
+        ("pipeline_bubbles", r"schedules not drawn until tasks 5\.2, (\d\.\d, )*\d\.\d are done: gpipe, 1f1b"),
     ],
 )
 def test_a_notebook_in_an_unfinished_copy_says_which_tasks_it_needs_and_draws_the_rest(
