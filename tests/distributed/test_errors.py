@@ -144,6 +144,36 @@ def test_timeout_names_operation_group_step_peer_and_time(monkeypatch):
 
 
 @pytest.mark.world_size(2)
+def test_a_receive_given_up_on_keeps_its_buffer_until_its_message_lands(monkeypatch):
+    """A wait abandoned at its deadline drops the handle, but MPI still owns the receive: freeing its
+    buffer then lets the late message land in memory Python has reused (CI once aborted with glibc's
+    "malloc(): unaligned tcache chunk detected" a few tests after a test of failures)."""
+    import gc
+    import weakref
+
+    from tinytrain.distributed import watchdog
+
+    monkeypatch.setenv("TINYTRAIN_DEBUG", "0")
+    if dist.get_rank() == 1:
+        time.sleep(1.0)  # well after rank 0 gave up
+        dist.send(np.full(4096, 7.0), dst=0)
+        return
+    buf = np.zeros(4096)
+    alive = weakref.ref(buf)
+    handle = dist.irecv(buf, src=1)
+    with pytest.raises(dist.CommTimeout):
+        handle.wait(timeout=0.2)
+    del buf, handle
+    gc.collect()
+    assert alive() is not None, "the buffer of a receive MPI may still complete was freed"
+    deadline = time.monotonic() + 10
+    while alive() is not None and time.monotonic() < deadline:  # polls MPI: the message lands, then
+        watchdog._forget_completed()  # the completed request lets its buffer go
+        time.sleep(0.01)
+    assert alive() is None, "a receive that completed is kept forever"
+
+
+@pytest.mark.world_size(2)
 def test_peer_failure_is_noticed_in_milliseconds(monkeypatch):
     monkeypatch.setenv("TINYTRAIN_TIMEOUT", "30")
     if dist.get_rank() == 1:

@@ -166,7 +166,10 @@ def _drain(comm, limit: float = 1.0) -> None:
         if msg is None:
             return
         req = msg.Irecv(bytearray(status.Get_count(MPI.BYTE)))
-        while not req.Test() and time.monotonic() < deadline:
+        while not req.Test():
+            if time.monotonic() > deadline:
+                watchdog.abandon([req])  # it may still land: in its own buffer, never in freed memory
+                return
             time.sleep(1e-4)
 
 

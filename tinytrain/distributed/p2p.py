@@ -177,6 +177,10 @@ class Exchange:
         if check_receives and self.statuses is None:
             self.statuses = []  # filled by Waitall, one Status per request
 
+    def __del__(self):
+        if not self.done and self.reqs:  # a step given up on (deadline, peer failure, error): MPI may
+            watchdog.abandon(self.reqs)  # still complete it, into these buffers
+
     def _me(self) -> int:
         return self.group.world_ranks[self.group.rank]
 

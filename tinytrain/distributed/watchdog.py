@@ -119,11 +119,39 @@ _MAX_SLEEP = float(os.environ.get("TINYTRAIN_MAX_SLEEP", "1e-4"))  # then sleeps
 _ALERT_EVERY = 64  # check the failure side channel every this many polls (always when sleeping)
 
 
+# --- requests given up on ------------------------------------------------------------------------
+
+# A request MPI may still complete, with its buffer, kept for as long as it may. mpi4py's Request
+# holds its buffer, and dropping an active one lets MPI write (a receive) or read (a send) memory
+# that Python has freed and handed out again: a step abandoned at a deadline or a peer's failure,
+# whose message lands later. Seen once in CI as glibc's "malloc(): unaligned tcache chunk detected"
+# a few tests after a test of failures. Kept here until a test finds them complete (``uninstall``).
+_abandoned: list = []
+
+
+def abandon(requests) -> None:
+    """Keep ``requests`` (mpi4py Requests, any of them perhaps still active) and their buffers alive
+    until MPI has completed them. Never blocks and calls no MPI (safe from ``__del__``)."""
+    _abandoned.extend(requests)
+
+
+def _forget_completed() -> None:
+    """Drop the abandoned requests that have completed (a request that failed has completed too)."""
+    alive = []
+    for req in _abandoned:
+        try:
+            if not req.Test():
+                alive.append(req)
+        except MPI.Exception:
+            pass
+    _abandoned[:] = alive
+
+
 # --- the failure side channel --------------------------------------------------------------------
 
 _ALERT_TAG = 7
 _alert_comm = None  # a duplicate of the world communicator, used only for failure notices
-_alert_sends: list = []  # keep posted notices (and their buffers) alive until the comm is dropped
+_alert_sends: list = []  # posted notices and their buffers (a Request holds its buffer too)
 failures: dict[int, str] = {}  # world rank -> its failure notice, once received
 
 
@@ -131,6 +159,7 @@ def install(alert_comm) -> None:
     """Use ``alert_comm`` (a dup of the world communicator) as the side channel."""
     global _alert_comm
     _alert_comm = alert_comm
+    abandon(req for req, _ in _alert_sends)
     _alert_sends.clear()
     failures.clear()
 
@@ -139,8 +168,10 @@ def uninstall() -> None:
     global _alert_comm
     stop_heartbeat()
     _alert_comm = None
+    abandon(req for req, _ in _alert_sends)  # a notice nobody read is still a send in flight
     _alert_sends.clear()
     failures.clear()
+    _forget_completed()
 
 
 def report_failure(message: str) -> None:
@@ -234,6 +265,7 @@ def stop_heartbeat(finished: bool = False) -> None:
     if finished and _alert_comm is not None:
         _finished = True
         _post_beat(_alert_comm)
+    abandon(req for req, _ in _beat_sends)
     _beat_sends.clear()
 
 
