@@ -28,7 +28,6 @@ import functools
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -66,13 +65,17 @@ class RunOptions:
 
 
 def mpi_environment() -> dict:
-    """This environment minus any MPI launcher's variables, so mpirun can run from inside an MPI rank."""
-    prefixes = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
-    return {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    """This environment minus what the launcher of this rank set for its own ranks (the user's MPI
+    settings pass through), so mpirun can run from inside an MPI rank (``tinytrain.launcher``)."""
+    from tinytrain import launcher
+
+    return launcher.nested_environment()
 
 
 def _command(opts: RunOptions, log: Path, nodeids: list[str] | None) -> list[str]:
-    mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
+    from tinytrain import launcher
+
+    mpirun = launcher.find_mpirun()
     if mpirun is None:
         raise RuntimeError(
             "mpirun not found: pip install mpich (it is in the [dev] extra), or put your MPI's mpirun on PATH"

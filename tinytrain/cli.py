@@ -122,10 +122,9 @@ def _world() -> tuple[int, int]:
         from tinytrain.distributed._mpi import MPI  # the world group may be unusable after the error
 
         return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    for rank, size in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
-        if os.environ.get(size, "").isdigit():
-            return int(os.environ.get(rank, "0") or 0), int(os.environ[size])
-    return 0, 1
+    from tinytrain import launcher
+
+    return launcher.rank_and_size()
 
 
 def fail(command: str | None, exc: BaseException, debug: bool) -> None:
@@ -152,8 +151,11 @@ def fail(command: str | None, exc: BaseException, debug: bool) -> None:
     if size == 1:
         _print(line, shown)
         sys.exit(code)
-    from tinytrain.distributed._mpi import MPI  # noqa: F401 - MPI_Init on every failing rank, so rank 0 can abort
-
+    try:
+        from tinytrain.distributed._mpi import MPI  # noqa: F401 - MPI_Init on every failing rank, so rank 0 can abort
+    except RuntimeError:  # no MPI library (launcher.NO_MPI): the ranks cannot talk, each says it and ends
+        _print(line, shown)
+        sys.exit(code)
     if not _another_rank_failed(exc, wait=0.0 if rank == 0 else _GRACE):
         _print(line, shown)
         _report(line)

@@ -39,7 +39,7 @@ SETTINGS = {
     "TINYTRAIN_PLACEMENT": "block: consecutive ranks share an emulated node (cyclic: round-robin)",
 }
 OTHER_SETTINGS = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
-MPI_PREFIXES = ("MPIR_CVAR_", "MPICH_", "OMPI_MCA_", "UCX_", "FI_")
+MPI_PREFIXES = ("MPIR_CVAR_", "MPICH_", "OMPI_", "PRTE_MCA_", "PMIX_MCA_", "I_MPI_", "UCX_", "FI_")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,11 +102,13 @@ def _report(ranks: list[dict]) -> dict:
     import numpy
 
     import tinytrain
-    from tinytrain import backend
+    from tinytrain import backend, launcher
     from tinytrain.distributed import p2p
     from tinytrain.distributed._mpi import MPI
 
     aware, how = p2p.cuda_aware_reason()
+    if getattr(MPI, "why", None) is not None:  # the one-process stand-in (_nompi): no MPI library
+        aware, how = False, "no MPI library"
     levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled", MPI.THREAD_SERIALIZED: "serialized"}
     return {
         "python": f"{platform.python_version()} ({sys.executable})",
@@ -116,7 +118,10 @@ def _report(ranks: list[dict]) -> dict:
         "device": backend.device,
         "device_reason": backend.device_reason,
         "mpi4py": mpi4py.__version__,
-        "mpi_library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split()),
+        "mpi_library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+        + (
+            f" ({MPI.why}): serial commands work; for more ranks, {launcher.INSTALL_MPI}" if hasattr(MPI, "why") else ""
+        ),
         "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "thread_level": levels.get(MPI.Query_thread(), "multiple"),
         "cuda_aware": aware,
@@ -147,8 +152,10 @@ def _settings() -> dict[str, str]:
     for name in OTHER_SETTINGS:
         if name in os.environ:
             shown[name] = f"={os.environ[name]}"
-    for name in sorted(os.environ):
-        if name.startswith(MPI_PREFIXES):
+    from tinytrain import launcher
+
+    for name in sorted(os.environ):  # the user's MPI settings, not what the launcher set for its ranks
+        if name.startswith(MPI_PREFIXES) and not launcher.is_wiring(name):
             shown[name] = f"={os.environ[name]}"
     return shown
 

@@ -13,7 +13,7 @@ PACKAGE = Path(tinytrain.__file__).parent
 
 # Lowest first. A module may import its own layer's modules (without a cycle) and lower layers.
 LAYERS = [
-    ("env", ["tinytrain.env"]),
+    ("env", ["tinytrain.env", "tinytrain.launcher"]),
     ("backend", ["tinytrain.backend"]),
     ("trace", ["tinytrain.trace"]),
     (

@@ -51,22 +51,17 @@ def gpu_for_rank(local_rank: int, count: int) -> int:
 
 
 def _launcher_local_rank() -> int:
-    """The node-local rank the MPI launcher put in the environment (MPICH, Open MPI), else 0."""
-    for name in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"):
-        value = os.environ.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return 0
+    """The node-local rank the MPI launcher put in the environment (``tinytrain.launcher``), else 0."""
+    from tinytrain import launcher
+
+    return launcher.local_rank() or 0
 
 
 def launcher_ranks_here() -> int:
-    """How many ranks the MPI launcher started on this machine (MPICH: ``MPI_LOCALNRANKS``, Open
-    MPI: ``OMPI_COMM_WORLD_LOCAL_SIZE``), else 1."""
-    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        value = os.environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
+    """How many ranks the MPI launcher started on this machine (``tinytrain.launcher``), else 1."""
+    from tinytrain import launcher
+
+    return launcher.ranks_here()
 
 
 def host_memory_available() -> int | None:

