@@ -13,7 +13,6 @@ the code, not the prose: the report is for the write-up (as CS336's writeups are
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -226,13 +225,16 @@ def main(out: str, assignments: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"error: cannot write {out} ({exc.strerror}); choose another --out", file=sys.stderr)
         return 2
-    mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
-    if mpirun is None:
-        print("error: mpirun not found: pip install mpich (it is in the [dev] extra)", file=sys.stderr)
+    from tinytrain import launcher
+
+    try:
+        launch = launcher.mpirun_command(RANKS)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         figures_path = Path(tmp) / "figures.json"
-        cmd = [mpirun, "-n", str(RANKS), sys.executable, "-m", "grader.lab", str(figures_path), *(assignments or [])]
+        cmd = [*launch, sys.executable, "-m", "grader.lab", str(figures_path), *(assignments or [])]
         env = dict(mpi_environment(), TINYTRAIN_TIMEOUT="20")
         print(f"measuring on {RANKS} ranks ...", file=sys.stderr)
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200, check=False)

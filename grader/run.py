@@ -24,7 +24,6 @@ that run down: a hang, an endless loop, a segfault, an ``MPI_Abort``. So:
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -75,16 +74,11 @@ def mpi_environment() -> dict:
 def _command(opts: RunOptions, log: Path, nodeids: list[str] | None) -> list[str]:
     from tinytrain import launcher
 
-    mpirun = launcher.find_mpirun()
-    if mpirun is None:
-        raise RuntimeError(
-            "mpirun not found: pip install mpich (it is in the [dev] extra), or put your MPI's mpirun on PATH"
-        )
+    launch = launcher.mpirun_command(opts.ranks)
+    if launcher.kind(launch[0]) == "mpich":
+        launch.insert(1, "-print-all-exitcodes")  # names a rank that dies without Python
     cmd = [
-        mpirun,
-        *(["-print-all-exitcodes"] if _is_hydra(mpirun) else []),  # names a rank that dies without Python
-        "-n",
-        str(opts.ranks),
+        *launch,
         sys.executable,
         "-m",
         "pytest",
@@ -100,16 +94,6 @@ def _command(opts: RunOptions, log: Path, nodeids: list[str] | None) -> list[str
     if opts.assignments:
         cmd += ["--assignments", str(opts.assignments)]
     return cmd + (nodeids if nodeids else [opts.tests])
-
-
-@functools.cache
-def _is_hydra(mpirun: str) -> bool:
-    """Is this MPICH's launcher (hydra, which the mpich wheel brings)? It can print every rank's exit code."""
-    try:
-        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=20, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "HYDRA" in out.stdout + out.stderr
 
 
 _EXIT_CODES = re.compile(r"Exit codes: \[[^\]]*\] ([\d,]+)")

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tinytrain import launcher
+
 from .config import ROOT, Rubric, is_release, load_rubric
 from .release import make_release
 from .run import mpi_environment
@@ -93,7 +95,7 @@ def grade_task(copy: Path, task: str, ranks: int) -> tuple[float, str]:
 def run_suite(copy: Path, ranks: int) -> str:
     """The copy's whole suite (README's command): 'passed', or its failures."""
     code, text = _run(
-        ["mpirun", "-n", str(ranks), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        [*launcher.mpirun_command(ranks), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
         copy,
         SUITE_TIMEOUT,
     )

@@ -28,8 +28,10 @@ Everything else in the environment is the user's and passes to a nested launch u
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import subprocess
 
 # (rank, size) variables, in the order they are trusted: hydra's PMI, Open MPI's, Slurm's step.
 _RANK_AND_SIZE = (
@@ -137,3 +139,37 @@ def nested_environment(env=None) -> dict:
 def find_mpirun() -> str | None:
     """The launcher a user would run: ``mpirun`` (else ``mpiexec``) on PATH."""
     return shutil.which("mpirun") or shutil.which("mpiexec")
+
+
+@functools.cache
+def kind(mpirun: str) -> str:
+    """Which launcher ``mpirun`` is, from its ``--version``: "mpich" (hydra), "impi" (Intel's hydra,
+    behind a shell script), "openmpi" (PRRTE's prterun), or "other"."""
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return "other"
+    text = out.stdout + out.stderr
+    for name, says in (("impi", "Intel(R) MPI"), ("mpich", "HYDRA"), ("openmpi", "Open MPI")):
+        if says in text:
+            return name
+    return "other"
+
+
+def mpirun_command(ranks: int, mpirun: str | None = None) -> list[str]:
+    """``mpirun -n RANKS`` for a launch of our own (the grader's, the bench's second one), with what
+    this MPI documents for the two cases a course machine meets. Open MPI refuses more ranks than
+    cores unless mapped with ``--map-by :OVERSUBSCRIBE`` (hydra oversubscribes as it is; a user's
+    ``PRTE_MCA_rmaps_default_mapping_policy`` is consumed by the outer prterun and never reaches its
+    ranks), and refuses root unless allowed: inside an Open MPI job run as root the user did allow
+    it, by the flag or by ``OMPI_ALLOW_RUN_AS_ROOT`` (which passes through on its own)."""
+    mpirun = mpirun or find_mpirun()
+    if mpirun is None:
+        raise RuntimeError(f"mpirun not found: {INSTALL_MPI}, or put your MPI's mpirun on PATH")
+    flags = []
+    if kind(mpirun) == "openmpi":
+        if ranks > (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1):
+            flags += ["--map-by", ":OVERSUBSCRIBE"]
+        if os.geteuid() == 0 and "OMPI_COMM_WORLD_SIZE" in os.environ and "OMPI_ALLOW_RUN_AS_ROOT" not in os.environ:
+            flags.append("--allow-run-as-root")
+    return [mpirun, *flags, "-n", str(ranks)]

@@ -63,6 +63,8 @@ import time
 
 import numpy
 
+from tinytrain import launcher
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 _BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -545,7 +547,8 @@ class BaselineLaunch:
         self.comm, self.proc, self.pending = comm, None, b""
         if comm.Get_rank() == 0:
             try:
-                command = [_mpirun(), "-n", str(comm.Get_size()), sys.executable, "-m", __name__, "--baseline-worker"]
+                launch = launcher.mpirun_command(comm.Get_size(), _mpirun())
+                command = [*launch, sys.executable, "-m", __name__, "--baseline-worker"]
                 self.proc = subprocess.Popen(
                     command + (["--device"] if on_device else []),
                     env=baseline_environment(),
