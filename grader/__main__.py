@@ -246,6 +246,10 @@ def main(argv=None) -> int:
         )
         return 2
     args = _parser().parse_args(argv)
+    refused = _refused(args)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     if args.command == "stubs":
         from .stubs import main as stubs_main
 
@@ -281,6 +285,20 @@ def main(argv=None) -> int:
 
         return selfcheck_main(args)
     return grade(args)
+
+
+def _refused(args) -> str | None:
+    """What is wrong with paths and counts, before any copy is built or job launched (exit 2)."""
+    ranks = getattr(args, "ranks", None)
+    if ranks is not None and ranks < 1:
+        return f"--ranks must be positive, got {ranks}"
+    folder = getattr(args, "assignments", None)
+    if args.command is None and folder and not Path(folder).is_dir():
+        return f"--assignments {folder} is not a folder: give the folder that holds your a*_*.py files"
+    for d in getattr(args, "dirs", None) or ():
+        if not Path(d).exists():
+            return f"collect {d}: no such file or folder (give the folders or results.json files to collect)"
+    return None
 
 
 def _mutants(args) -> int:

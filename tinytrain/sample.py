@@ -168,6 +168,13 @@ def choose_prompt(prompt: str | None, dataset, seed: int) -> tuple[str, str]:
 
 def check_args(args) -> None:
     """Reject impossible settings with a message that says what to change."""
+    from tinytrain.trainer.runners import launched_world
+
+    ranks = launched_world()[1]
+    if ranks > 1:  # every rank would generate the same text and print it on one line
+        raise ValueError(
+            f"tinytrain sample generates on one process, and this launch has {ranks} ranks: run it without mpirun"
+        )
     if args.tokens is not None and args.tokens <= 0:
         raise ValueError(f"--tokens must be positive, got {args.tokens}")
     if not math.isfinite(args.temperature) or args.temperature < 0:

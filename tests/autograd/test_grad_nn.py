@@ -90,6 +90,19 @@ def test_cross_entropy(rng, reduction, ignore_index):
     assert (logits.grad[ignored] == 0).all(), "ignored entries must get no gradient"
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cross_entropy_with_every_target_ignored(reduction):
+    """PyTorch's answer: the mean over no target is NaN, the sum 0; the gradient is 0 either way (no
+    target pulls on any logit). It was NaN everywhere, and one such batch poisoned every parameter."""
+    logits = T(np.random.default_rng(0).standard_normal((3, 4, 5)))
+    targets = np.full((3, 4), -100)
+    with np.errstate(all="raise"):  # no 0/0 on the way
+        loss = F.cross_entropy(logits, targets, reduction=reduction)
+        loss.backward()
+    assert np.isnan(float(loss.data)) if reduction == "mean" else float(loss.data) == 0.0
+    assert logits.grad.shape == logits.shape and (logits.grad == 0).all()
+
+
 def test_cross_entropy_errors():
     with pytest.raises(ValueError, match="targets"):
         F.cross_entropy(T(np.zeros((2, 3))), np.zeros(3, dtype=int))

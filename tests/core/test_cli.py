@@ -200,7 +200,13 @@ def test_resume_with_another_model_shape_names_the_parameter(tmp_path, capsys):
         (["--microbatches", "4"], "--chunks and --microbatches cut the batch for a pipeline: they need --pp 2"),
         (["--trace", "/nonexistent-folder/x.json"], "--trace .*the folder /nonexistent-folder does not exist"),
         (["--balance", "bias"], "--balance bias balances experts: it needs --experts N"),
-        (["--experts", "2", "--balance", "bias", "--bias-rate", "0"], "--bias-rate must be positive"),
+        (["--experts", "2", "--balance", "bias", "--bias-rate", "0"], "--bias-rate must be a positive number"),
+        (["--experts", "2", "--balance", "bias", "--bias-rate", "inf"], "--bias-rate must be a positive number.*inf"),
+        (["--bias-rate", "0.01"], "--bias-rate is the step of --balance bias's routing bias: add --balance bias"),
+        (["--experts", "2", "--bias-rate", "0.01"], "--bias-rate is the step of --balance bias's routing bias"),
+        (["--schedule", "zb-v"], "--schedule zb-v orders a pipeline's passes: it needs --pp 2 or more"),
+        (["--dp-algo", "local-sgd", "--local-steps", "4"], "--local-steps 4 is above --steps 3: .*never average"),
+        (["--dp-algo", "diloco", "--local-steps", "9"], "--local-steps 9 is above --steps 3.*at most --local-steps 3"),
         # --dp-algo: only over --dp alone, each of its flags only with it (tests/parallel/test_dp_algos.py runs them)
         (["--dp-algo", "async-ps", "--tp", "2"], "--dp-algo async-ps .* composes with --dp alone, not with --tp: drop"),
         (["--dp-algo", "diloco", "--zero", "1"], "--dp-algo diloco .* composes with --dp alone, not with --zero"),
@@ -225,6 +231,51 @@ def test_bad_arguments_exit_with_a_clear_message(tmp_path, bad, message, capsys)
     assert err.startswith("tinytrain train: error: ") and re.search(message, err), err
     assert "Traceback" not in err
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        (
+            {"TINYTRAIN_INTER_GBPS": "-1"},
+            "TINYTRAIN_INTER_GBPS sets the emulated cluster of TINYTRAIN_TOPOLOGY, which is",
+        ),
+        (
+            {"TINYTRAIN_PLACEMENT": "cyclic"},
+            "TINYTRAIN_PLACEMENT sets the emulated cluster .* or unset TINYTRAIN_PLACEMENT",
+        ),
+        ({"TINYTRAIN_TOPOLOGY": "abc"}, "TINYTRAIN_TOPOLOGY='abc' is not a setting it takes"),
+        ({"TINYTRAIN_TOPOLOGY": "2x2"}, "TINYTRAIN_TOPOLOGY=2x2 describes 4 ranks but this run has 1: run mpirun -n 4"),
+    ],
+)
+def test_a_topology_setting_a_serial_run_would_ignore_is_refused(tmp_path, env, message, capsys, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *TINY, "--steps", "3", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_a_run_that_diverges_stops_saying_to_lower_the_lr(tmp_path, capsys):
+    """--lr 10 is the largest the check admits; in fp32 the loss ran to 1432 and the run exited 0."""
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *TINY, "--steps", "20", "--lr", "10", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"training diverged at step \d+: loss .* over 10x that of guessing uniformly", err), err
+    assert "lower --lr (it is 10)" in err
+
+
+def test_sample_on_several_ranks_is_refused_in_one_sentence(tmp_path, capsys, monkeypatch):
+    from tinytrain.trainer import runners
+
+    monkeypatch.setattr(runners, "launched_world", lambda: (0, 2))
+    with pytest.raises(SystemExit) as exc:
+        main(["sample", "--ckpt", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "tinytrain sample generates on one process, and this launch has 2 ranks" in capsys.readouterr().err
 
 
 def test_unknown_option_exits_with_usage(capsys):

@@ -75,6 +75,30 @@ def test_a_signal_saves_and_resume_continues_the_curve(tmp_path, ranks, signum):
     numpy.testing.assert_allclose(losses(tmp_path / "cut"), losses(tmp_path / "straight"), rtol=1e-6)
 
 
+def test_after_a_signal_a_run_that_cannot_resume_names_the_continuation_that_works(tmp_path):
+    """--resume is refused for --dp-algo local-sgd (each replica's state is its own): the hint after
+    SIGTERM must not say to run the same command with --resume, but what does continue."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("needs mpirun")
+    rc, err = interrupt_at_step(
+        command(2) + ["--dp-algo", "local-sgd", "--local-steps", "4", "--out", "cut"], tmp_path, signal.SIGTERM, 9
+    )
+    assert rc == 143, err
+    assert "--dp-algo local-sgd cannot resume" in err and "--resume and --dp-algo allreduce in place of" in err, err
+    assert "Run the same command with --resume (and" not in err
+    stopped = json.loads((tmp_path / "cut" / "ckpt" / "manifest.json").read_text())["step"]
+    resumed = subprocess.run(
+        command(2) + ["--dp-algo", "allreduce", "--out", "cut", "--resume", "--quiet"],
+        cwd=tmp_path,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert len(losses(tmp_path / "cut")) == 60 > stopped
+
+
 def rank_pid(launcher_pid: int, rank: int, wait: float = 20.0) -> int:
     """The process id of MPI rank ``rank`` among the descendants of ``launcher_pid`` (mpirun)."""
     end = time.monotonic() + wait

@@ -281,6 +281,9 @@ def test_solved_package_assignment_from_a_folder_scores_full_marks(tmp_path):
     "args, message",
     [
         (["--ranks", "0"], "error: --ranks must be positive, got 0"),
+        (["selfcheck", "--ranks", "0"], "error: --ranks must be positive, got 0"),
+        (["--assignments", "no-such-folder"], "error: --assignments no-such-folder is not a folder"),
+        (["collect", "no-such-folder"], "error: collect no-such-folder: no such file or folder"),
         (["--timeout", "-1"], "error: --timeout must be positive, got -1"),
         (["--tasks", "9.9"], "error: --tasks 9.9 matches no task"),
         (["--out", "/proc/no-such-folder", "--tasks", "1.1"], "error: --out /proc/no-such-folder is not a folder"),

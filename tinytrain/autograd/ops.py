@@ -518,12 +518,15 @@ class CrossEntropy(Function):
         ctx.save_for_backward(probs, safe_tgt, valid)
         ctx.denom = denom
         ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        if not denom:  # every target ignored: the mean of nothing is NaN (as PyTorch's), without 0/0's warning
+            return xp.asarray(xp.nan, dtype=flat.dtype)
         return xp.asarray(nll.sum() / denom, dtype=flat.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         probs, tgt, valid = ctx.saved
-        g = nll_grad(probs, tgt, 1, valid * (grad / ctx.denom))
+        # every target ignored: no target pulls on any logit, so the gradient is zero (PyTorch's too)
+        g = nll_grad(probs, tgt, 1, valid * (grad / ctx.denom) if ctx.denom else xp.zeros(valid.shape))
         return _low(g, ctx.logits_dtype).reshape(ctx.logits_shape), None
 
 

@@ -136,7 +136,15 @@ def install(topology: Topology | None) -> Topology | None:
 def from_env() -> Topology | None:
     """The topology the environment asks for (see the module docstring), or None."""
     text = os.environ.get("TINYTRAIN_TOPOLOGY", "").strip()
-    if not text:
+    if not text:  # its link settings alone would be ignored: say so
+        stray = [
+            n for n in ("TINYTRAIN_INTER_GBPS", "TINYTRAIN_INTER_LATENCY_US", "TINYTRAIN_PLACEMENT") if n in os.environ
+        ]
+        if stray:
+            raise ValueError(
+                f"{stray[0]} sets the emulated cluster of TINYTRAIN_TOPOLOGY, which is unset: set "
+                "TINYTRAIN_TOPOLOGY=NxR (N nodes of R ranks), or unset " + " and ".join(stray)
+            )
         return None
     match = re.fullmatch(r"(\d+)x(\d+)", text)
     if not match or min(int(match[1]), int(match[2])) < 1:

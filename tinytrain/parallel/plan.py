@@ -97,6 +97,8 @@ class Plan:
             self.check_context_parallel(config)
         if self.pp == 1 and (self.chunks != chunks_of(self.schedule) or self.microbatches):
             raise ValueError("--chunks and --microbatches cut the batch for a pipeline: they need --pp 2 or more")
+        if self.pp == 1 and self.schedule != Plan.schedule:
+            raise ValueError(f"--schedule {self.schedule} orders a pipeline's passes: it needs --pp 2 or more")
         if self.zero == 2 and self.pp > 1:
             raise ValueError(
                 "--zero 2 with --pp would reduce-scatter gradients once per micro-batch; pipelines "

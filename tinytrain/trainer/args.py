@@ -14,6 +14,17 @@ from tinytrain.nn import GPT, GPTConfig
 from tinytrain.nn.recompute import MODES as RECOMPUTE_MODES
 from tinytrain.parallel.plan import DP_ALGOS
 
+# The --dp-algo runs a checkpoint cannot resume exactly, and why (said by check_args and after SIGTERM).
+_OWN_REPLICAS = (
+    "each replica's inner optimizer state and its parameters between two averages are its own, and a checkpoint "
+    "holds one copy"
+)
+NO_RESUME = {
+    "local-sgd": _OWN_REPLICAS,
+    "diloco": _OWN_REPLICAS,
+    "async-ps": "the versions each worker's parameters have are not in a checkpoint",
+}
+BIAS_RATE = 1e-3  # --balance bias: DeepSeek-V3's bias update speed
 MAX_LR = 10.0  # above this every model here diverges in its first steps
 
 # What decides the model's parameters: the data flags (a checkpoint records every flag), then each
@@ -78,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="balancing experts: the aux loss, DeepSeek-V3's loss-free routing bias, or neither",
     )
     model.add_argument(
-        "--bias-rate", type=float, default=1e-3, help="--balance bias: how far one step moves an expert's bias"
+        "--bias-rate", type=float, default=BIAS_RATE, help="--balance bias: how far one step moves an expert's bias"
     )
     opt = p.add_argument_group("optimization")
     opt.add_argument("--steps", type=int, default=600)
@@ -222,19 +233,30 @@ def check_args(args) -> None:
         raise ValueError(f"--warmup must be 0 or positive, got {args.warmup}")
     if args.warmup > args.steps:
         raise ValueError(f"--warmup {args.warmup} is longer than --steps {args.steps}")
-    if args.resume and args.dp_algo in ("async-ps", "local-sgd", "diloco"):
+    if args.dp_algo in ("local-sgd", "diloco") and args.local_steps > args.steps:
         raise ValueError(
-            f"--resume with --dp-algo {args.dp_algo} is refused: "
-            + (
-                "each replica's inner optimizer state and its parameters between two averages are its own, and a "
-                "checkpoint holds one copy"
-                if args.dp_algo != "async-ps"
-                else "the versions each worker's parameters have are not in a checkpoint"
-            )
-            + "; resume with --dp-algo allreduce or ps, or start afresh"
+            f"--local-steps {args.local_steps} is above --steps {args.steps}: the replicas average after every "
+            f"--local-steps steps, so they would never average; use at most --local-steps {args.steps}, or more --steps"
+        )
+    if args.resume and args.dp_algo in NO_RESUME:
+        raise ValueError(
+            f"--resume with --dp-algo {args.dp_algo} is refused: {NO_RESUME[args.dp_algo]}; resume with --dp-algo "
+            "allreduce or ps, or start afresh"
         )
     check_model_flags(args)
     check_memory(args)
+    check_topology()
+
+
+def check_topology() -> None:
+    """TINYTRAIN_TOPOLOGY and its link settings, read as every rank will (a serial run too: a setting
+    that the run would ignore is refused, not dropped)."""
+    from tinytrain.distributed import topology
+    from tinytrain.trainer.runners import launched_world
+
+    emulated = topology.from_env()
+    if emulated is not None and launched_world()[1] == 1:
+        emulated.check_world(1)
 
 
 def check_model_flags(args) -> None:
@@ -255,8 +277,10 @@ def check_model_flags(args) -> None:
         raise ValueError(f"--topk {args.topk} must be between 1 and --experts {args.experts}")
     if args.balance != "aux" and not args.experts:
         raise ValueError(f"--balance {args.balance} balances experts: it needs --experts N")
-    if args.balance == "bias" and not args.bias_rate > 0:
-        raise ValueError(f"--bias-rate must be positive with --balance bias, got {args.bias_rate}")
+    if args.balance == "bias" and not (math.isfinite(args.bias_rate) and args.bias_rate > 0):
+        raise ValueError(f"--bias-rate must be a positive number with --balance bias, got {args.bias_rate}")
+    if args.balance != "bias" and args.bias_rate != BIAS_RATE:
+        raise ValueError("--bias-rate is the step of --balance bias's routing bias: add --balance bias, or drop it")
 
 
 def _divisors(n: int) -> list[int]:

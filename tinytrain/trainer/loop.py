@@ -48,6 +48,7 @@ from tinytrain.data import AdditionDataset, dataset_change, load_dataset
 from tinytrain.nn.moe import load_routing_biases, routing_biases
 from tinytrain.optim import SGD, AdamW, LossScaler, WarmupCosine
 from tinytrain.trainer.args import (
+    NO_RESUME,
     add_arguments,
     build_model,
     check_args,
@@ -188,8 +189,7 @@ def _train(args, out: Path) -> int:
             t0 = time.perf_counter()
             scale = scaler.scale if scaler is not None else None
             loss_value, grad_norm, lr = train_step(runner, optimizer, schedule, dataset, args, step, scaler)
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"loss became {loss_value} at step {step}; lower --lr or enable --grad-clip")
+            check_diverged(loss_value, step, model.config.vocab_size, args.lr)
             dt = time.perf_counter() - t0
             record = {"step": step, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_per_step / dt}
             if grad_norm is not None:
@@ -306,6 +306,22 @@ def write_metrics(out: Path, metrics: dict, args, dataset) -> None:
         )
 
 
+DIVERGED = 10  # a loss this many times that of guessing uniformly has diverged (training starts near 1x)
+
+
+def check_diverged(loss: float, step: int, vocab_size: int, lr: float) -> None:
+    """Stop a run whose loss is no longer a number, or far above that of a uniform guess (ln V): an
+    fp32 run at --lr 10 reached 1432 and went on to exit 0."""
+    uniform = math.log(vocab_size)
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr or enable --grad-clip")
+    if loss > DIVERGED * uniform:
+        raise FloatingPointError(
+            f"training diverged at step {step}: loss {loss:.4g} is over {DIVERGED}x that of guessing uniformly "
+            f"(ln {vocab_size} = {uniform:.3g}); lower --lr (it is {lr:g}) or enable --grad-clip"
+        )
+
+
 def keep_metrics(out: Path, metrics: dict) -> None:
     """metrics.json after a save failed (a full disk): small, so it may still fit; never a second error."""
     try:
@@ -319,9 +335,18 @@ def interrupted(runner, out: Path, metrics: dict, signum: int, step: int, quiet:
     if runner.is_main:
         checkpoint.remove_temporaries(out)
         checkpoint.atomic_write(out / "metrics.json", lambda f: f.write(json.dumps(metrics, indent=1).encode()))
+        algo = metrics["config"]["args"].get("dp_algo")
+        if algo in NO_RESUME:  # check_args refuses --resume for these: name the continuation that works
+            how = (
+                f"--dp-algo {algo} cannot resume ({NO_RESUME[algo]}): to continue from step {step + 1} on this "
+                f"checkpoint, run the same command with --resume and --dp-algo allreduce in place of --dp-algo {algo} "
+                f"and its own flags (and --out {out}), or start afresh."
+            )
+        else:
+            how = f"Run the same command with --resume (and --out {out}) to continue from step {step + 1}."
         print(
             f"\ntinytrain: {signal.Signals(signum).name} received: stopped after step {step}, checkpoint written to "
-            f"{out / 'ckpt'}. Run the same command with --resume (and --out {out}) to continue from step {step + 1}.",
+            f"{out / 'ckpt'}. {how}",
             file=sys.stderr,
         )
     return 128 + signum
