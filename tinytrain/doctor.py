@@ -7,7 +7,8 @@ Prints, from rank 0 of however many ranks it runs on (``mpirun -n 4 tinytrain do
     MPI           library and version, the MPI standard, thread level, CUDA-aware or not and how we know
     ranks         every rank: host, node-local rank, its GPU (and name), pid
     settings      the TINYTRAIN_* variables in effect (defaults said as such), CUDA_VISIBLE_DEVICES,
-                  the MPICH (MPIR_CVAR_*) and Open MPI (OMPI_MCA_*) variables, ours included
+                  the MPI variables the user set (MPIR_CVAR_*, OMPI_*, I_MPI_*, UCX_*, ...; not what
+                  the launcher set for its ranks: tinytrain.launcher), ours included
 
 Every rank gathers its own line to rank 0 (MPI's own gather of small Python objects: a doctor must
 work even when our collectives do not).

@@ -113,6 +113,14 @@ def local_rank() -> int | None:
     return None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the OS says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def ranks_here() -> int:
     """How many ranks the launcher started on this machine, else 1."""
     for name in _RANKS_HERE:
@@ -168,7 +176,7 @@ def mpirun_command(ranks: int, mpirun: str | None = None) -> list[str]:
         raise RuntimeError(f"mpirun not found: {INSTALL_MPI}, or put your MPI's mpirun on PATH")
     flags = []
     if kind(mpirun) == "openmpi":
-        if ranks > (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1):
+        if ranks > usable_cores():
             flags += ["--map-by", ":OVERSUBSCRIBE"]
         if os.geteuid() == 0 and "OMPI_COMM_WORLD_SIZE" in os.environ and "OMPI_ALLOW_RUN_AS_ROOT" not in os.environ:
             flags.append("--allow-run-as-root")

@@ -27,6 +27,8 @@ import os
 
 import numpy
 
+from tinytrain.launcher import usable_cores  # noqa: F401 - the backend's callers ask it here
+
 _CHOICES = ("cpu", "gpu", "auto", "strict")
 
 
@@ -79,14 +81,6 @@ def host_memory_available() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, where the OS says)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def blas_threads(limit: int | None = None) -> int | None:

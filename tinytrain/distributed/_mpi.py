@@ -43,7 +43,8 @@ from tinytrain import launcher  # noqa: E402
 try:
     from mpi4py import MPI  # noqa: E402,F401  (this import runs MPI_Init)
 except (ImportError, RuntimeError) as _exc:  # no MPI library mpi4py can load (RuntimeError lists each path)
-    _why = str(_exc).splitlines()[0] + (f" ({str(_exc).splitlines()[-1]})" if "\n" in str(_exc) else "")
+    _lines = str(_exc).splitlines() or [type(_exc).__name__]
+    _why = _lines[0] + (f" ({_lines[-1]})" if len(_lines) > 1 else "")  # its first line, its last path tried
     if launcher.world_size() > 1:  # a launcher started ranks that cannot talk: say what to install
         raise RuntimeError(f"{launcher.NO_MPI} mpi4py said: {_why}") from None
     from . import _nompi as MPI  # noqa: N812 - one process: serial commands need no MPI

@@ -20,7 +20,7 @@ import numpy
 
 why = ""  # what mpi4py said when it could not load an MPI library (set by _mpi.py)
 
-ANY_SOURCE, ANY_TAG, UNDEFINED, PROC_NULL = -1, -1, -32766, -2
+ANY_SOURCE, ANY_TAG, UNDEFINED = -1, -1, -32766
 TAG_UB, COMM_TYPE_SHARED = 0, 0  # attribute keys: only their identity matters here
 THREAD_SINGLE, THREAD_FUNNELED, THREAD_SERIALIZED, THREAD_MULTIPLE = 0, 1, 2, 3
 SUCCESS, ERR_TRUNCATE, ERR_PENDING, ERR_OTHER = 0, 15, 19, 16
@@ -206,9 +206,6 @@ class SelfComm:
     def allgather(self, obj):
         return [obj]
 
-    def bcast(self, obj, root: int = 0):
-        return obj
-
     def Allreduce(self, sendbuf, recvbuf, op=SUM) -> None:  # noqa: N802
         if sendbuf is not IN_PLACE:
             _bytes_of(recvbuf)[:] = _bytes_of(sendbuf)
@@ -219,4 +216,3 @@ class SelfComm:
 
 COMM_WORLD = SelfComm()
 COMM_SELF = SelfComm()
-COMM_NULL = None

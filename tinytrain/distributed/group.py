@@ -93,8 +93,9 @@ def local_rank(comm) -> int:
     From the launcher when it says (MPICH/Hydra: ``MPI_LOCALRANKID``; Open MPI:
     ``OMPI_COMM_WORLD_LOCAL_RANK``), else from MPI (a communicator split by shared memory; collective).
     """
-    if launcher.local_rank() is not None:
-        return launcher.local_rank()
+    said = launcher.local_rank()
+    if said is not None:
+        return said
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         return node.Get_rank()
