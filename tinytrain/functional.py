@@ -15,9 +15,13 @@ def relu(x):
     return ops.ReLU.apply(x)
 
 
-def gelu(x):
-    """GELU with the tanh approximation (as in GPT-2)."""
-    return ops.GELU.apply(x)
+def gelu(x, approximate="tanh"):
+    """GELU, x·Φ(x) with Φ the standard normal CDF: ``approximate="tanh"``, GPT-2's tanh
+    approximation, or ``"none"``, the exact form 0.5·x·(1 + erf(x/√2)); another value is a
+    ValueError. PyTorch's ``torch.nn.functional.gelu`` defaults to "none"; ours defaults to "tanh",
+    what GPT-2 (and so our GPT) uses, so that every existing caller, run and checkpoint keeps its
+    numbers and curves."""
+    return ops.GELU.apply(x, approximate=approximate)
 
 
 def tanh(x):

@@ -49,22 +49,23 @@ def test_an_error_in_a_worker_thread_reaches_the_caller(three_threads):
         threads.in_pieces(kernel, np.arange(12.0).reshape(6, 2))
 
 
-def fused_ops(x, w, b, qkv):
+def fused_ops(x, w, b, qkv, approximate="tanh"):
     """GELU, LayerNorm and (causal) attention, the ops whose kernels run in pieces."""
-    h = F.layer_norm(F.gelu(x), w, b)
+    h = F.layer_norm(F.gelu(x, approximate=approximate), w, b)
     q = k = v = h.reshape(*qkv)
     return F.scaled_dot_product_attention(q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_pieces_give_the_numbers_of_one_piece(rng, three_threads, monkeypatch, dtype):
+def test_pieces_give_the_numbers_of_one_piece(rng, three_threads, monkeypatch, dtype, approximate):
     x, w, b = rng.standard_normal((4, 6, 8)), rng.standard_normal(8), rng.standard_normal(8)
     grad = rng.standard_normal((4, 2, 6, 4))
     results = []
     for n_threads in (3, 1):
         monkeypatch.setattr(threads, "THREADS", n_threads)
         leaves = [Tensor(a.astype(dtype), requires_grad=True) for a in (x, w, b)]
-        out = fused_ops(*leaves, (4, 6, 2, 4))
+        out = fused_ops(*leaves, (4, 6, 2, 4), approximate)
         out = out.transpose(1, 2)  # (4, 2, 6, 4): heads first, as grad is laid out
         out.backward(Tensor(grad.astype(dtype)))
         results.append([out.numpy()] + [t.grad for t in leaves])
@@ -73,9 +74,14 @@ def test_pieces_give_the_numbers_of_one_piece(rng, three_threads, monkeypatch, d
         assert_close(threaded, single, atol=tol, rtol=tol, what=f"{name} in 3 pieces vs 1")
 
 
-def test_gradients_in_pieces_pass_gradcheck(rng, three_threads):
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_gradients_in_pieces_pass_gradcheck(rng, three_threads, approximate):
     x, w, b = (Tensor(rng.standard_normal(s), requires_grad=True) for s in ((3, 4, 6), (6,), (6,)))
-    gradcheck(lambda a, c, d: fused_ops(a, c, d, (3, 4, 2, 3)), [x, w, b], what="gelu, layer_norm, attention")
+    gradcheck(
+        lambda a, c, d: fused_ops(a, c, d, (3, 4, 2, 3), approximate),
+        [x, w, b],
+        what=f"gelu ({approximate}), layer_norm, attention",
+    )
 
 
 def test_thread_count_follows_omp_and_the_ranks_on_this_machine(monkeypatch):

@@ -1,15 +1,16 @@
 """End to end against PyTorch (skipped where torch is not installed): the GPT's logits, loss and
-every parameter gradient, and AdamW/SGD trajectories over several steps."""
+every parameter gradient, AdamW/SGD trajectories over several steps, and GELU in both its forms."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import numpy
 import pytest
 
 from tinytrain import functional as F
-from tinytrain.autograd import Parameter
+from tinytrain.autograd import Parameter, Tensor
 from tinytrain.backend import to_host, xp
 from tinytrain.bench.step import torch_gpt
 from tinytrain.nn import GPT, GPTConfig
@@ -78,6 +79,26 @@ def test_gpt_logits_loss_and_gradients_match_torch(cfg):
         g = torch_param_grad(tm, name)
         scale = float(numpy.abs(g).max()) + 1e-12
         assert_close(to_host(ours[name].grad), g, atol=1e-4 * scale + 1e-7, rtol=1e-3, what=f"grad {name}")
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_and_its_gradient_match_torch_in_float64(approximate):
+    """F.gelu against torch.nn.functional.gelu, same ``approximate``, at the exact form's hard
+    points (0, -0, tiny, its erf's piece boundaries x/√2 = ±0.5, ±4, and ±0.5, ±4 themselves, a far
+    tail) and random ones. PyTorch's exact form is 0.5·x·(1 + erf(x/√2)), which cancels to 0 in the
+    left tail where ours keeps x·Φ(x) (-30: -1e-195): an absolute tolerance of float64's rounding."""
+    r = math.sqrt(2)
+    hard = [0.0, -0.0, 1e-300, -1e-300, 0.5, -0.5, 4.0, -4.0, 0.5 * r, -0.5 * r, 4 * r, -4 * r, 30.0, -30.0]
+    x = numpy.concatenate([hard, numpy.random.default_rng().standard_normal(500) * 5])
+    ours = Tensor(xp.asarray(x), requires_grad=True)
+    y = F.gelu(ours, approximate=approximate)
+    y.sum().backward()
+    theirs = torch.tensor(x, requires_grad=True)
+    t_y = torch.nn.functional.gelu(theirs, approximate=approximate)
+    t_y.sum().backward()
+    assert_close(y, t_y.detach().numpy(), atol=1e-14, rtol=1e-12, what=f"gelu ({approximate})")
+    assert_close(to_host(ours.grad), theirs.grad.numpy(), atol=1e-14, rtol=1e-12, what=f"gelu ({approximate}) grad")
+    assert numpy.array_equal(numpy.signbit(to_host(y.data)[:4]), numpy.signbit(t_y.detach().numpy()[:4]))
 
 
 def random_problem(rng, shapes):

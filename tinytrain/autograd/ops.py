@@ -391,25 +391,41 @@ _GELU_A = 0.044715
 
 
 class GELU(Function):
-    """GELU, tanh approximation (GPT-2's): 0.5·x·(1 + tanh(u)),  u = √(2/π)·(x + 0.044715·x³).
+    """GELU(x) = x·Φ(x), Φ the standard normal CDF: exact (``approximate="none"``) or with GPT-2's
+    tanh approximation (``"tanh"``), as ``torch.nn.functional.gelu``. Both compute a gate s ≈ Φ(x)
+    and out = x·s, and keep x and s for backward (the same arrays either way). Fused: the kernels
+    below run on every core (:func:`~tinytrain.autograd.threads.in_pieces`).
 
-    Computed as x·σ(2u), σ the logistic sigmoid: the same function, since 0.5·(1 + tanh(u)) =
-    1/(1 + exp(-2u)), and NumPy's exp is about twice as fast as its tanh. Fused: every line of the
-    kernels below is one pass over the array into an existing buffer (``out=``, in place), so no
-    temporaries beyond the output and σ (kept for backward), and the kernels run on every core
-    (:func:`~tinytrain.autograd.threads.in_pieces`). Backward, with s = σ(2u):
+    tanh: 0.5·x·(1 + tanh(u)),  u = √(2/π)·(x + 0.044715·x³). Computed as x·σ(2u), σ the logistic
+    sigmoid: the same function, since 0.5·(1 + tanh(u)) = 1/(1 + exp(-2u)), and NumPy's exp is
+    about twice as fast as its tanh. Every line of its kernels is one pass over the array into an
+    existing buffer (``out=``, in place), so no temporaries beyond the output and σ. Backward,
+    with s = σ(2u):
 
         d/dx [x·s] = s + x·s·(1 - s)·2u',   2u' = 2√(2/π)·(1 + 3·0.044715·x²)
+
+    none: s = Φ(x) = 0.5·(1 + erf(x/√2)) = 0.5·erfc(-x/√2), through erfc (:func:`_erf`) so that the
+    left tail keeps its digits (1 + erf(x/√2), PyTorch's form, rounds to 0 in float64 below
+    x ≈ -8.3). Its kernel is not written for speed as the tanh one is (the model uses tanh): erfc
+    makes some temporaries of the piece's size. Backward, by the product rule, with Φ' = φ the
+    normal density (erf'(z) = 2/√π·exp(-z²), and z = x/√2 gives Φ'(x) = ½·2/√π·exp(-x²/2)/√2):
+
+        d/dx [x·Φ(x)] = Φ(x) + x·φ(x),   φ(x) = exp(-x²/2)/√(2π)
     """
 
     @staticmethod
-    def forward(ctx, x):
-        dtype = x.dtype  # a low precision: computed in float32, out and σ kept rounded to it
+    def forward(ctx, x, approximate="tanh"):
+        if approximate not in _GELU_KERNELS:
+            accepted = " or ".join(repr(name) for name in _GELU_KERNELS)
+            raise ValueError(f"gelu: approximate must be {accepted}, not {approximate!r}")
+        dtype = x.dtype  # a low precision: computed in float32, out and s kept rounded to it
         x = xp.ascontiguousarray(x)
         x32 = _up(x)
         s, out = xp.empty_like(x32), xp.empty_like(x32)
-        in_pieces(_gelu_forward, x32.reshape(-1), s.reshape(-1), out.reshape(-1))
+        kernel, _ = _GELU_KERNELS[approximate]
+        in_pieces(kernel, x32.reshape(-1), s.reshape(-1), out.reshape(-1))
         ctx.save_for_backward(x, _low(s, dtype))
+        ctx.approximate = approximate
         return _low(out, dtype)
 
     @staticmethod
@@ -417,13 +433,12 @@ class GELU(Function):
         x, s = ctx.saved
         x32, s32 = _up(x), _up(s)
         d = xp.empty_like(x32)
-        in_pieces(
-            _gelu_backward, x32.reshape(-1), s32.reshape(-1), _up(xp.ascontiguousarray(grad)).reshape(-1), d.reshape(-1)
-        )
+        _, kernel = _GELU_KERNELS[ctx.approximate]
+        in_pieces(kernel, x32.reshape(-1), s32.reshape(-1), _up(xp.ascontiguousarray(grad)).reshape(-1), d.reshape(-1))
         return (_low(d, x.dtype),)
 
 
-def _gelu_forward(x, s, out):
+def _gelu_tanh_forward(x, s, out):
     """s = σ(2u) and out = x·s on one piece of x."""
     dt = x.dtype.type
     xp.multiply(x, x, out=s)  # s = x²                 (then, in place:)
@@ -437,7 +452,7 @@ def _gelu_forward(x, s, out):
     xp.multiply(x, s, out=out)
 
 
-def _gelu_backward(x, s, grad, d):
+def _gelu_tanh_backward(x, s, grad, d):
     """d = grad · d/dx [x·s] on one piece."""
     dt = x.dtype.type
     xp.multiply(x, x, out=d)  # d = x²                 (then, in place:)
@@ -448,6 +463,135 @@ def _gelu_backward(x, s, grad, d):
     d *= xp.subtract(dt(1), s)  # x·s·(1 - s)·2u'
     d += s
     d *= grad
+
+
+def _gelu_exact_forward(x, s, out):
+    """s = Φ(x) = 0.5·erfc(-x/√2) and out = x·s on one piece of x."""
+    dt = x.dtype.type
+    xp.multiply(_erf(x * dt(-math.sqrt(0.5)), complement=True), dt(0.5), out=s)
+    xp.multiply(x, s, out=out)
+
+
+def _gelu_exact_backward(x, s, grad, d):
+    """d = grad · (Φ(x) + x·φ(x)) on one piece, s = Φ(x)."""
+    dt = x.dtype.type
+    xp.clip(x, dt(-40), dt(40), out=d)  # φ is 0 past ±38.6 in float64 already, and x² stays finite
+    d *= d
+    d *= dt(-0.5)
+    xp.exp(d, out=d)  # exp(-x²/2)
+    d *= dt(1 / math.sqrt(2 * math.pi))  # φ(x)
+    d *= x
+    d += s
+    d *= grad
+
+
+_GELU_KERNELS = {  # approximate= → (forward, backward) kernels
+    "none": (_gelu_exact_forward, _gelu_exact_backward),
+    "tanh": (_gelu_tanh_forward, _gelu_tanh_backward),
+}
+
+
+# erf and erfc: NumPy has none (SciPy's is no dependency), so W. J. Cody's rational Chebyshev
+# approximations, "Rational Chebyshev approximations for the error function", Math. Comp. 23 (1969),
+# 631-637: the coefficients of his tables (the set his Fortran CALERF uses), as (numerator,
+# denominator) polynomials, highest power first. The first piece is used below 0.5 (CALERF switches
+# at 0.46875; both give float64's rounding, tests/autograd/test_grad_elementwise.py measures it).
+_ERF_SMALL = (  # erf(x) = x·P(x²)/Q(x²),  |x| < 0.5
+    (
+        1.85777706184603153e-1,
+        3.16112374387056560e0,
+        1.13864154151050156e2,
+        3.77485237685302021e2,
+        3.20937758913846947e3,
+    ),
+    (1.0, 2.36012909523441209e1, 2.44024637934444173e2, 1.28261652607737228e3, 2.84423683343917062e3),
+)
+_ERFC_MIDDLE = (  # erfc(x) = exp(-x²)·P(x)/Q(x),  0.5 ≤ x < 4
+    (
+        2.15311535474403846e-8,
+        5.64188496988670089e-1,
+        8.88314979438837594e0,
+        6.61191906371416295e1,
+        2.98635138197400131e2,
+        8.81952221241769090e2,
+        1.71204761263407058e3,
+        2.05107837782607147e3,
+        1.23033935479799725e3,
+    ),
+    (
+        1.0,
+        1.57449261107098347e1,
+        1.17693950891312499e2,
+        5.37181101862009858e2,
+        1.62138957456669019e3,
+        3.29079923573345963e3,
+        4.36261909014324716e3,
+        3.43936767414372164e3,
+        1.23033935480374942e3,
+    ),
+)
+_ERFC_LARGE = (  # erfc(x) = exp(-x²)/x·(1/√π - z·P(z)/Q(z)),  z = 1/x²,  x ≥ 4
+    (
+        1.63153871373020978e-2,
+        3.05326634961232344e-1,
+        3.60344899949804439e-1,
+        1.25781726111229246e-1,
+        1.60837851487422766e-2,
+        6.58749161529837803e-4,
+    ),
+    (
+        1.0,
+        2.56852019228982242e0,
+        1.87295284992346725e0,
+        5.27905102951428412e-1,
+        6.05183413124413191e-2,
+        2.33520497626869185e-3,
+    ),
+)
+_ERFC_ZERO = 28.0  # erfc(28) < 1e-340 is 0 in float64 (and erfc(x) for every x past it)
+
+
+def _erf(x, complement=False):
+    """erf(x), or erfc(x) = 1 - erf(x) with ``complement``, elementwise in x's dtype, to its
+    rounding (float64: within 1e-15 relative on the whole line, erfc's tail too until it underflows
+    past x ≈ 26.5). Cody's three pieces (above) give erf(|x|) near 0 and erfc(|x|) beyond; then
+    erf(-x) = -erf(x) and erfc(-x) = 2 - erfc(x). Each piece is computed on the whole array with
+    |x| clamped into its interval (no division by 0, no overflow; erfc is 0 past ``_ERFC_ZERO``)
+    and ``where`` picks, so the same array ops run on NumPy and CuPy."""
+    dt = x.dtype.type
+    y = xp.abs(x)
+    t = xp.clip(x, dt(-0.5), dt(0.5))
+    small = t * _ratio(_ERF_SMALL, t * t)  # erf(x), |x| < 0.5
+    t = xp.clip(y, dt(0.5), dt(4))
+    tail = _ratio(_ERFC_MIDDLE, t) * _exp_minus_square(t)  # erfc(|x|), 0.5 ≤ |x| < 4
+    t = xp.clip(y, dt(4), dt(_ERFC_ZERO))
+    z = xp.reciprocal(t * t)
+    large = (dt(1 / math.sqrt(math.pi)) - z * _ratio(_ERFC_LARGE, z)) / t * _exp_minus_square(t)
+    tail = xp.where(y < dt(4), tail, large)  # erfc(|x|), |x| ≥ 0.5
+    if complement:
+        return xp.where(y < dt(0.5), 1 - small, xp.where(x < 0, 2 - tail, tail))
+    return xp.where(y < dt(0.5), small, xp.copysign(1 - tail, x))
+
+
+def _ratio(polynomials, t):
+    """P(t)/Q(t) for ``polynomials`` = (P, Q), coefficients highest power first (Horner's rule)."""
+    dt = t.dtype.type
+    p, q = polynomials
+    numerator, denominator = xp.full_like(t, dt(p[0])), xp.full_like(t, dt(q[0]))
+    for a, b in zip(p[1:], q[1:]):
+        numerator *= t
+        numerator += dt(a)
+        denominator *= t
+        denominator += dt(b)
+    return numerator / denominator
+
+
+def _exp_minus_square(y):
+    """exp(-y²) for y ≥ 0, as exp(-h²)·exp(-(y - h)·(y + h)) with h = y rounded down to 1/16 (Cody's
+    split): h² is exact, so only the small (y - h)·(y + h) is rounded, where exp of a rounded y²
+    would be off by y² times the dtype's rounding, relative."""
+    h = xp.floor(y * 16) / 16
+    return xp.exp(-h * h) * xp.exp(-(y - h) * (y + h))
 
 
 class Softmax(Function):
