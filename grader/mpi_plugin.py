@@ -82,6 +82,10 @@ def pytest_configure(config):
     test_deadline()  # a bad TINYTRAIN_TEST_TIMEOUT is a usage error now, not an internal error later
     if _size > 1 and not config.option.basetemp:
         _temp_root_of_this_rank()
+    if _size > 1:
+        from tinytrain import launcher
+
+        launcher.watch()  # a killed launcher that left its ranks (Intel MPI's script mpirun) ends them too
     if _rank != 0:
         _silence(config)
     _watchdog.config = config

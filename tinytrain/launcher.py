@@ -31,10 +31,13 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
 import subprocess
+import threading
+import time
 
 # (rank, size) variables, in the order they are trusted: hydra's PMI, Open MPI's, Slurm's step.
-_RANK_AND_SIZE = (
+RANK_AND_SIZE = (
     ("PMI_RANK", "PMI_SIZE"),
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
     ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"),
@@ -95,7 +98,7 @@ def _int(name: str) -> int | None:
 
 def rank_and_size() -> tuple[int, int]:
     """(this rank, number of ranks) as the launcher said, without starting MPI; (0, 1) if none did."""
-    for rank, size in _RANK_AND_SIZE:
+    for rank, size in RANK_AND_SIZE:
         if _int(size) is not None:
             return _int(rank) or 0, _int(size)
     return 0, 1
@@ -164,9 +167,16 @@ def kind(mpirun: str) -> str:
     return "other"
 
 
-def mpirun_command(ranks: int, mpirun: str | None = None) -> list[str]:
-    """``mpirun -n RANKS`` for a launch of our own (the grader's, the bench's second one), with what
-    this MPI documents for the two cases a course machine meets. Open MPI refuses more ranks than
+# How each launcher takes a file of hosts, and the file's lines (the README shows both).
+HOSTFILE_FLAG = {"mpich": "-f", "impi": "-f", "openmpi": "--hostfile"}
+HOSTFILE_LINE = {"mpich": "{host}:{slots}", "impi": "{host}:{slots}", "openmpi": "{host} slots={slots}"}
+
+
+def mpirun_command(ranks: int, mpirun: str | None = None, hostfile: str | None = None) -> list[str]:
+    """``mpirun -n RANKS`` for a launch of our own (the grader's, the bench's second one, the
+    tests'), on the hosts of ``hostfile`` if given (by this MPI's flag for it; the file's lines are
+    the user's, in this MPI's format), with what this MPI documents for the two cases a course
+    machine meets. Open MPI refuses more ranks than
     cores unless mapped with ``--map-by :OVERSUBSCRIBE`` (hydra oversubscribes as it is; a user's
     ``PRTE_MCA_rmaps_default_mapping_policy`` is consumed by the outer prterun and never reaches its
     ranks), and refuses root unless allowed: inside an Open MPI job run as root the user did allow
@@ -175,9 +185,83 @@ def mpirun_command(ranks: int, mpirun: str | None = None) -> list[str]:
     if mpirun is None:
         raise RuntimeError(f"mpirun not found: {INSTALL_MPI}, or put your MPI's mpirun on PATH")
     flags = []
+    if hostfile is not None:
+        if kind(mpirun) not in HOSTFILE_FLAG:
+            raise ValueError(f"{mpirun} is not MPICH, Intel MPI or Open MPI: give it the hosts as its manual says")
+        flags += [HOSTFILE_FLAG[kind(mpirun)], str(hostfile)]
     if kind(mpirun) == "openmpi":
         if ranks > usable_cores():
             flags += ["--map-by", ":OVERSUBSCRIBE"]
         if os.geteuid() == 0 and "OMPI_COMM_WORLD_SIZE" in os.environ and "OMPI_ALLOW_RUN_AS_ROOT" not in os.environ:
             flags.append("--allow-run-as-root")
     return [mpirun, *flags, "-n", str(ranks)]
+
+
+# --- no rank outlives its launcher ---------------------------------------------------------------
+#
+# A launcher that dies without taking its ranks along leaves them training, detached, into --out:
+# Intel MPI's ``mpirun`` is a shell script that SIGTERM ends at once while the ``mpiexec.hydra`` it
+# started goes on (a script that wraps any mpirun does the same). So each rank watches the launcher
+# that started it and, when it is gone, sends itself SIGTERM: a training run then stops after the
+# step every rank agrees on and writes its checkpoint, as if the signal had reached it; anything
+# else ends as a program ends on SIGTERM.
+
+# The processes of a launch, by the name the kernel gives them (/proc/PID/comm, at most 15 chars).
+_LAUNCHERS = {"mpirun", "mpiexec", "mpiexec.hydra", "hydra_pmi_proxy", "prterun", "prte", "prted", "orterun"}
+lost: str | None = None  # "mpirun (pid 123)" once the launcher this rank watches has gone
+_watching = False
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(name, parent pid, start time in clock ticks) of ``pid`` from /proc; None if it is gone
+    (a zombie too: it has exited, only its parent has not asked how yet)."""
+    try:
+        text = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 (a read of a few bytes)
+    except OSError:
+        return None
+    name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+    return None if rest[0] in "ZX" else (name, int(rest[1]), int(rest[19]))
+
+
+def alive(pid: int) -> bool:
+    """Is process ``pid`` (on this machine) running? A zombie is not: it has ended."""
+    return _stat(pid) is not None
+
+
+def own_launcher(pid: int | None = None) -> tuple[int, str, int] | None:
+    """(pid, name, start time) of the launcher that started process ``pid`` (default: this one): the
+    topmost of the launcher processes right above it (a rank's proxy, its ``mpiexec.hydra``, the
+    script ``mpirun`` around them), so a job started from inside a rank (the grader's) watches its
+    own launcher, not the outer one. None where no launcher is this process's parent (a
+    singleton, ``srun``'s direct launch: ``slurmstepd`` ends its tasks itself) or off Linux."""
+    found = None
+    parent = _stat(os.getpid() if pid is None else pid)
+    while parent is not None and parent[1] > 1:
+        pid = parent[1]
+        up = _stat(pid)
+        if up is None or up[0] not in _LAUNCHERS:
+            break
+        found, parent = (pid, up[0], up[2]), up
+    return found
+
+
+def watch(every: float = 0.1) -> None:
+    """Watch this rank's launcher from a daemon thread (idempotent; nothing to watch: no thread)."""
+    global _watching
+    launcher = own_launcher() if not _watching else None
+    if launcher is None:
+        return
+    _watching = True
+    pid, name, started = launcher
+
+    def look() -> None:
+        global lost
+        while True:
+            time.sleep(every)
+            now = _stat(pid)
+            if now is None or now[2] != started:  # gone, or its pid reused by another process
+                lost = f"{name} (pid {pid})"
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=look, name="tinytrain-launcher-watch", daemon=True).start()

@@ -84,6 +84,8 @@ def init(comm=None) -> ProcessGroup:
             topology.install(topology.from_env())  # TINYTRAIN_TOPOLOGY: an emulated cluster
         _install_world(comm)
         _bind_gpu(comm)
+        if comm.Get_size() > 1:
+            launcher.watch()  # a rank whose launcher is gone stops (SIGTERM to itself), never trains on
     return _world
 
 

@@ -40,7 +40,7 @@ from types import SimpleNamespace
 
 import numpy
 
-from tinytrain import checkpoint
+from tinytrain import checkpoint, launcher
 from tinytrain import random as _random
 from tinytrain.autograd import loss_scaling, no_grad
 from tinytrain.backend import device
@@ -353,10 +353,17 @@ def interrupted(runner, out: Path, metrics: dict, signum: int, step: int, quiet:
 
 
 class Interrupts:
-    """SIGINT and SIGTERM during training: the first one asks the loop to stop after the current
-    step (``signal`` holds its number); a second SIGINT raises ``KeyboardInterrupt`` at once.
+    """SIGINT, SIGTERM and SIGUSR1 during training: the first one asks the loop to stop after the
+    current step (``signal`` holds its number); a second SIGINT raises ``KeyboardInterrupt`` at once.
+
+    SIGUSR1 because Open MPI's ``mpirun`` turns a SIGTERM it receives into the end of the job (it
+    passes SIGTERM on, closes the ranks' output and kills them a second later) but passes SIGUSR1 on
+    and waits; Slurm's ``--signal=USR1@SECONDS`` is the usual notice before a preemption. A rank
+    whose launcher has gone is sent SIGTERM by ``launcher.watch`` and stops the same way.
 
     Installed only in the main thread (Python allows handlers nowhere else); restored on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self, announce: bool = True):
         self.announce = announce  # one rank says what happens
@@ -365,7 +372,7 @@ class Interrupts:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            for signum in self.SIGNALS:
                 self.previous[signum] = signal.signal(signum, self.handle)
         return self
 
@@ -374,9 +381,11 @@ class Interrupts:
             raise KeyboardInterrupt("interrupted twice: stopped at once; the last checkpoint stays")
         if self.signal is None:
             self.signal = signum
+            _say_who_died()
         if self.announce and signum == self.signal:
+            why = f" ({launcher.lost} has exited)" if launcher.lost else ""
             print(
-                f"\ntinytrain: {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+                f"\ntinytrain: {signal.Signals(signum).name}{why}: finishing this step, then saving a checkpoint "
                 "(Ctrl-C again to stop at once)",
                 file=sys.stderr,
                 flush=True,
@@ -386,6 +395,19 @@ class Interrupts:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
         return False
+
+
+def _say_who_died() -> None:
+    """A signal that follows a rank's death is its launcher ending the job (Open MPI's sends SIGTERM,
+    then SIGKILL): name the rank that died, which a rank killed outright cannot do itself."""
+    dist = sys.modules.get("tinytrain.distributed")
+    if dist is None or not dist.is_initialized():
+        return
+    from tinytrain.distributed import watchdog
+
+    said = watchdog.who_died_here()
+    if said:
+        print(f"\ntinytrain: {said}; its launcher is stopping the job", file=sys.stderr, flush=True)
 
 
 def prepare_outputs(args) -> Path:
