@@ -9,7 +9,8 @@ get a signal?", an all-reduce over the world), on rank ``RANK`` at step ``STEP``
     skip     do not take part in the vote (the rank goes on to the next step's collectives)
     dtype    vote with an int64 array (the others: int32)
     shape    vote with 2 elements (the others: 1)
-    sendsend ranks RANK and RANK+1 both send 4 MB to each other, then receive: neither receive is posted
+    sendsend ranks RANK and RANK+1 both send 4 MB to each other (synchronous sends), then receive: neither
+             receive is posted
     kill     SIGKILL this rank
     stop     SIGSTOP this rank (frozen: alive to the OS, silent to MPI)
     spin     loop forever in pure Python
@@ -35,6 +36,19 @@ _real_vote = runners.MeshRunner.vote
 _votes = {"n": 0}
 
 
+def synchronous_send(buf, peer: int) -> None:
+    """``dist.send`` in MPI's synchronous mode (Issend): done only once the peer receives. A standard
+    send may be buffered, and Intel MPI completes one of 4 MB that no receive matches; both ranks in
+    a synchronous send deadlock under every MPI."""
+    from tinytrain.distributed.group import resolve
+    from tinytrain.distributed.p2p import Exchange, P2PWork
+
+    group = resolve(None)
+    exchange = Exchange(group, "send", f"send to rank {peer}")
+    exchange._post(group.comm.Issend, buf, peer, 0, "send to", None)
+    P2PWork(exchange, buf).wait()
+
+
 def vote(self, value: int) -> int:
     _votes["n"] += 1
     if _votes["n"] != STEP or self.rank not in (RANK, RANK + 1):
@@ -42,7 +56,7 @@ def vote(self, value: int) -> int:
     if FAULT == "sendsend":
         peer = RANK + 1 if self.rank == RANK else RANK
         big = numpy.ones(1 << 20, dtype=numpy.float32)
-        self.dist.send(big, dst=peer)
+        synchronous_send(big, peer)
         self.dist.recv(big, src=peer)
         return _real_vote(self, value)
     if self.rank != RANK:

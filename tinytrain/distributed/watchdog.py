@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 
-from tinytrain import backend
+from tinytrain import backend, launcher
 from tinytrain.env import positive_seconds
 
 from ._mpi import MPI
@@ -162,6 +163,7 @@ def install(alert_comm) -> None:
     abandon(req for req, _ in _alert_sends)
     _alert_sends.clear()
     failures.clear()
+    places.clear()
 
 
 def uninstall() -> None:
@@ -213,6 +215,7 @@ def beat_every() -> float:
 
 
 _BEAT_EVERY = 1.0  # read from TINYTRAIN_HEARTBEAT when the heartbeat starts
+_HOST = socket.gethostname()
 _waiting_for: list[int] | None = None  # world ranks this rank waits for now (None: computing)
 _finished = False  # this rank is done (it will never answer again)
 _heartbeat: tuple[threading.Thread, threading.Event] | None = None
@@ -280,6 +283,7 @@ def _post_beat(comm) -> None:
     most ``_UNANSWERED`` beats to a rank we have not heard from since (one that holds Python's lock
     in a long C call can read none: what it has not read would only pile up)."""
     state = {"finished": True} if _finished else {"waiting_for": _waiting_for}
+    state.update(host=_HOST, pid=os.getpid())  # who to name if this rank goes silent
     data = bytearray(json.dumps(state).encode())
     _beat_sends[:] = [(req, buf) for req, buf in _beat_sends if not req.Test()]
     for peer in range(comm.Get_size()):
@@ -289,6 +293,49 @@ def _post_beat(comm) -> None:
             continue
         _unanswered[peer] = _unanswered.get(peer, 0) + 1
         _beat_sends.append((comm.Isend(data, dest=peer, tag=_BEAT_TAG), data))
+
+
+places: dict[int, tuple[str, int]] = {}  # world rank -> (host, process id), as told (see ``learn_places``)
+
+
+def learn_places(pids, hosts) -> None:
+    """Where each rank runs: ``pids[r]`` and a host id ``hosts[r]`` per world rank (equal ids: one
+    machine), gathered at a program's start (``tinytrain train``'s start line). Heartbeats say it
+    too, but a rank killed before its first beat would go unnamed."""
+    mine = hosts[_alert_comm.Get_rank()] if _alert_comm is not None else None
+    for rank, (pid, host) in enumerate(zip(pids, hosts, strict=True)):
+        if host == mine:
+            places[rank] = (_HOST, int(pid))
+
+
+def where(rank: int) -> str:
+    """ " (pid 123 on node7)": where ``rank`` runs, as it told ("" if it never did)."""
+    state = beats.get(rank, (0, {}))[1]
+    host, pid = places.get(rank) or (state.get("host"), state.get("pid"))
+    return f" (pid {pid} on {host})" if pid is not None else ""
+
+
+def dead_peers() -> list[int]:
+    """The ranks on this machine whose process has ended, by the process ids they gave. What a rank
+    can still tell when its launcher, having seen one rank die, is stopping the rest (Open MPI sends
+    them SIGTERM first; MPICH's hydra, without -disable-auto-cleanup, kills them before any can)."""
+    here = {r: (st["host"], st["pid"]) for r, (_, st) in beats.items() if st.get("host") == _HOST and "pid" in st}
+    here.update(places)
+    return sorted(rank for rank, (host, pid) in here.items() if host == _HOST and not launcher.alive(pid))
+
+
+def who_died_here() -> str | None:
+    """ "rank 1 (pid 123 on node7) has died": the ranks on this machine that have ended, said by the
+    lowest-numbered rank still alive here (None on the others, and when none has ended)."""
+    dead = dead_peers()
+    if not dead or _alert_comm is None:
+        return None
+    me = _alert_comm.Get_rank()
+    here = {rank for rank, (_, state) in beats.items() if state.get("host") == _HOST} | set(places) | {me}
+    if me != min(here - set(dead)):
+        return None
+    named = ", ".join(f"rank {rank}{where(rank)}" for rank in dead)
+    return f"{named} {'has' if len(dead) == 1 else 'have'} died"
 
 
 def _poll_beats(comm) -> None:
@@ -320,7 +367,10 @@ def _why_stuck(peers: list[int]) -> int | str:
         seen.add(rank)
         heard, state = beats.get(rank, (_heartbeat_since, {}))
         if now - heard > _silent_after():
-            reasons.append(f"rank {rank} has sent no heartbeat for over {_silent_after():g} s (stopped or frozen?)")
+            reasons.append(
+                f"rank {rank}{where(rank)} has sent no heartbeat for over {_silent_after():g} s "
+                "(stopped, frozen or killed?)"
+            )
         elif state.get("finished"):
             reasons.append(f"rank {rank} has finished")
         elif now - heard > _silent_after() / 2:

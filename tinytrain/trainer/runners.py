@@ -8,7 +8,9 @@ knows no strategy either: the composition lives there.
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import zlib
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -161,13 +163,17 @@ class MeshRunner:
         return self.parallel.step_stats()
 
     def ranks(self) -> str:
-        """ "4 ranks (process ids 0=3823 1=3824 ...)": a rank killed outright cannot say who it was, and
-        mpirun's banner names only its process id."""
-
+        """ "4 ranks (process ids 0=3823 1=3824 ...)": a rank killed outright cannot say who it was, so
+        the others learn here where each runs, to name it (``watchdog.learn_places``)."""
         import numpy
 
-        pids = self.dist.all_gather(numpy.array([os.getpid()], dtype=numpy.int64))
-        return f"{len(pids)} ranks (process ids {' '.join(f'{r}={p}' for r, p in enumerate(pids.tolist()))})"
+        from tinytrain.distributed import watchdog
+
+        here = zlib.crc32(socket.gethostname().encode())  # one id per machine
+        places = self.dist.all_gather(numpy.array([[os.getpid(), here]], dtype=numpy.int64))
+        pids, hosts = places[:, 0].tolist(), places[:, 1].tolist()
+        watchdog.learn_places(pids, hosts)
+        return f"{len(pids)} ranks (process ids {' '.join(f'{r}={p}' for r, p in enumerate(pids))})"
 
     def vote(self, value: int) -> int:
         """One 4-byte all-reduce (max): a signal may reach one rank only, or the ranks during
