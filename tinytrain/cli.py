@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import time
 import traceback
@@ -156,6 +157,13 @@ def fail(command: str | None, exc: BaseException, debug: bool) -> None:
     except RuntimeError:  # no MPI library (launcher.NO_MPI): the ranks cannot talk, each says it and ends
         _print(line, shown)
         sys.exit(code)
+    if bad_input and not _another_rank_failed(exc, wait=0.0) and _every_rank_refused(wait=_GRACE):
+        # A bad flag is bad on every rank: all agree, so the job ends as a program does, with exit 2
+        # and no MPI_Abort (MPICH prints a crash's banner after one). Ending together matters: a rank
+        # that exits without MPI_Finalize while another still runs is a crash to the launcher.
+        if rank == 0:
+            _print(line, shown)
+        _end_together(code)
     if not _another_rank_failed(exc, wait=0.0 if rank == 0 else _GRACE):
         _print(line, shown)
         _report(line)
@@ -164,6 +172,36 @@ def fail(command: str | None, exc: BaseException, debug: bool) -> None:
         # input); give it the time to, so that this rank's code 1 does not win the race
         time.sleep(2 * _GRACE)
     _abort(code)
+
+
+def _every_rank_refused(wait: float) -> bool:
+    """Has every rank of the job come to this point (a non-blocking barrier on the world, given
+    ``wait`` seconds)? Only the ranks that fail call it, so a rank that is still training leaves it
+    incomplete, and the job is aborted as before."""
+    from tinytrain.distributed._mpi import MPI
+
+    agreed = MPI.COMM_WORLD.Ibarrier()
+    end = time.monotonic() + wait
+    while not agreed.Test():
+        if time.monotonic() >= end:
+            return False  # the abort that follows ends the barrier too
+        time.sleep(0.002)
+    return True
+
+
+def _end_together(code: int) -> None:
+    """Exit ``code`` through MPI_Finalize, which every rank reaches (they agreed). Stop the heartbeat
+    first (its thread must not call MPI meanwhile); and should Finalize wait on a message still in
+    flight, SIGALRM ends the process in 5 s: never a hang."""
+    dist = sys.modules.get("tinytrain.distributed")
+    if dist is not None and dist.is_initialized():
+        from tinytrain.distributed import watchdog
+
+        watchdog.stop_heartbeat()
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(5)
+    sys.stdout.flush()
+    sys.exit(code)
 
 
 def _name(command: str | None) -> str:

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from grader.run import mpi_environment
-from tinytrain import backend
+from tinytrain import backend, launcher
 from tinytrain.cli import main
 from tinytrain.trainer import args as train_args
 
@@ -80,7 +80,16 @@ def test_sizes_whose_buffers_cannot_fit_are_refused_with_the_bytes(monkeypatch):
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
 def test_sizes_too_big_for_this_machine_are_refused_under_mpirun(tmp_path):
     r = subprocess.run(
-        ["mpirun", "-n", "2", sys.executable, "-m", "tinytrain.cli", "bench", "collectives", "--sizes", "1024G"],
+        [
+            *launcher.mpirun_command(2),
+            sys.executable,
+            "-m",
+            "tinytrain.cli",
+            "bench",
+            "collectives",
+            "--sizes",
+            "1024G",
+        ],
         cwd=tmp_path,
         env=environment(),
         capture_output=True,
@@ -90,6 +99,7 @@ def test_sizes_too_big_for_this_machine_are_refused_under_mpirun(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "--sizes 1024G needs at least 5.12e+03 GiB per rank for all_reduce" in r.stderr, r.stderr
     assert "available (MemAvailable): use sizes up to" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "Abort" not in r.stdout + r.stderr, r.stderr  # every rank refused alike: no MPI_Abort, no banner of one
 
 
 def test_one_rank_is_told_to_use_mpirun(tmp_path):
@@ -250,12 +260,18 @@ def test_the_refusal_uses_the_memory_this_machines_ranks_share(tmp_path, capsys,
 def test_a_model_too_big_is_refused_on_every_tp_rank_in_a_second(tmp_path):
     argv = [sys.executable, "-m", "tinytrain.cli", "train", *TINY, *HUGE, "--tp", "2", "--out", "run"]
     r = subprocess.run(
-        ["mpirun", "-n", "2", *argv], cwd=tmp_path, env=environment(), capture_output=True, text=True, timeout=60
+        [*launcher.mpirun_command(2), *argv],
+        cwd=tmp_path,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.count("error: the model of --width 1048576 --layers 2") == 1, r.stderr
     assert "per rank (weights 5.28e+04 GB" in r.stderr and "for the 2 ranks here" in r.stderr, r.stderr  # TP halves
     assert "MemoryError" not in r.stderr and "Traceback" not in r.stderr
+    assert "Abort" not in r.stdout + r.stderr, r.stderr  # every rank refused alike: no MPI_Abort, no banner of one
 
 
 # --- 6. GPTConfig's checks in the flags' names ----------------------------------------------------------
