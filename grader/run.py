@@ -75,8 +75,8 @@ def _command(opts: RunOptions, log: Path, nodeids: list[str] | None) -> list[str
     from tinytrain import launcher
 
     launch = launcher.mpirun_command(opts.ranks)
-    if launcher.kind(launch[0]) == "mpich":
-        launch.insert(1, "-print-all-exitcodes")  # names a rank that dies without Python
+    if launcher.kind(launch[0]) in ("mpich", "impi"):
+        launch.insert(1, "-print-all-exitcodes")  # hydra's: names a rank that dies without Python
     cmd = [
         *launch,
         sys.executable,
@@ -97,27 +97,35 @@ def _command(opts: RunOptions, log: Path, nodeids: list[str] | None) -> list[str
 
 
 _EXIT_CODES = re.compile(r"Exit codes: \[[^\]]*\] ([\d,]+)")
+# Open MPI's prterun names the first rank that ended badly, by one of two banners.
+_OMPI_EXITED = re.compile(r"Process name: \[[^\]]*,(\d+)\]\s+Exit code:\s+(\d+)")
+_OMPI_SIGNALED = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)")
 
 
 def dead_ranks(output: str) -> str:
-    """Which rank ended without Python (os._exit, a signal), from hydra's exit codes in rank order:
-    a wait status (768 = exited with 3), a signal number (11 = SIGSEGV), 9 for the ranks that hydra
-    itself killed once one was gone. '' when the output does not tell."""
+    """Which rank ended without Python (os._exit, a signal), from what the launcher reports: hydra's
+    (MPICH, Intel MPI) exit codes in rank order (a wait status: 768 = exited with 3; a signal number:
+    11 = SIGSEGV; 9 for the ranks that hydra itself killed once one was gone), or Open MPI's banner
+    on the first rank that ended. '' when the output does not tell."""
     m = _EXIT_CODES.search(output)
     if m is None:
-        return ""
+        exited, signaled = _OMPI_EXITED.search(output), _OMPI_SIGNALED.search(output)
+        if exited:
+            return f"rank {exited.group(1)} {_how(int(exited.group(2)) << 8)}"
+        return f"rank {signaled.group(1)} {_how(int(signaled.group(2)))}" if signaled else ""
     codes = [int(c) for c in m.group(1).split(",")]
     culprits = [(r, c) for r, c in enumerate(codes) if c not in (0, 9)] or [(r, c) for r, c in enumerate(codes) if c]
+    return "; ".join(f"rank {r} {_how(c)}" for r, c in culprits)
 
-    def how(code: int) -> str:
-        if code >= 256:
-            return f"exited with status {code >> 8} (os._exit, or exit() in C code)"
-        try:
-            return f"was killed by signal {code} ({signal.Signals(code).name})"
-        except ValueError:
-            return f"ended with code {code}"
 
-    return "; ".join(f"rank {r} {how(c)}" for r, c in culprits)
+def _how(code: int) -> str:
+    """A wait status in words: 768 exited with 3; 11 killed by SIGSEGV."""
+    if code >= 256:
+        return f"exited with status {code >> 8} (os._exit, or exit() in C code)"
+    try:
+        return f"was killed by signal {code} ({signal.Signals(code).name})"
+    except ValueError:
+        return f"ended with code {code}"
 
 
 def _read(log: Path, pos: int) -> tuple[list[dict], int]:

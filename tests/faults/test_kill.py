@@ -17,7 +17,7 @@ import numpy
 import pytest
 
 from grader.run import mpi_environment
-from tinytrain import checkpoint
+from tinytrain import checkpoint, launcher
 from tinytrain.cli import main
 
 # 64 steps: the serial run lasts about 0.3 s to its first checkpoint and 9 ms a step after it (2
@@ -59,7 +59,7 @@ def environment() -> dict:
 
 def command(ranks: int, python=("-m", "tinytrain.cli")) -> list[str]:
     train = [sys.executable, *python, "train", *TINY, "--out", "run"]
-    return ["mpirun", "-n", str(ranks), *train, "--dp", str(ranks)] if ranks > 1 else train
+    return [*launcher.mpirun_command(ranks), *train, "--dp", str(ranks)] if ranks > 1 else train
 
 
 def losses(out) -> list[float]:

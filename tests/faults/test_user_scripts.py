@@ -17,6 +17,7 @@ import time
 import pytest
 
 from grader.run import mpi_environment
+from tinytrain import launcher
 
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
 
@@ -25,9 +26,10 @@ SCRIPT = textwrap.dedent(
     import os, sys, time
     import numpy
     import tinytrain.distributed as dist
+    from tinytrain import launcher
 
     case = sys.argv[1]
-    rank = int(os.environ["PMI_RANK"]) if case == "before-init" else dist.get_rank()
+    rank = launcher.rank_and_size()[0] if case == "before-init" else dist.get_rank()  # as any MPI's launcher says
     if rank == 1 and case in ("others-wait", "others-compute", "before-init"):
         time.sleep(0.3)
         raise RuntimeError("injected on rank 1")
@@ -52,7 +54,7 @@ def run_script(tmp_path, case: str, ranks: int = 4) -> tuple[int, float, str]:
     env.pop("TINYTRAIN_DEBUG", None)
     start = time.monotonic()
     r = subprocess.run(
-        ["mpirun", "-n", str(ranks), sys.executable, "script.py", case],
+        [*launcher.mpirun_command(ranks), sys.executable, "script.py", case],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150,
     )  # fmt: skip
     return r.returncode, time.monotonic() - start, r.stdout + r.stderr

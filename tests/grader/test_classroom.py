@@ -38,7 +38,7 @@ def tool(name: str) -> str:
     """A linter of the dev extra: beside this Python (its virtual environment), else on PATH."""
     found = Path(sys.executable).with_name(name)
     path = str(found) if found.exists() else shutil.which(name)
-    assert path, f'{name} is not installed: pip install -e ".[dev]" brings it'
+    assert path, f'{name} is not installed: pip install -e ".[test]" (or [dev]) brings it'
     return path
 
 

@@ -325,3 +325,16 @@ def test_dead_ranks_reads_hydras_exit_codes():
     assert dead_ranks("[mpiexec@vm] Exit codes: [vm] 0,9,11,9") == "rank 2 was killed by signal 11 (SIGSEGV)"
     assert dead_ranks("Exit codes: [vm] 0,9,0,0") == "rank 1 was killed by signal 9 (SIGKILL)"
     assert dead_ranks("no banner") == ""
+
+
+def test_dead_ranks_reads_open_mpis_banners():
+    """prterun's two banners, as Open MPI 5.0 prints them for os._exit(3) on rank 2 and kill -9 of rank 1."""
+    from grader.run import dead_ranks
+
+    exited = (
+        "prterun detected that one or more processes exited with non-zero status,\nthus causing the job to be "
+        "terminated. The first process to do so was:\n\n   Process name: [prterun-vm-11979@1,2]\n   Exit code:    3\n"
+    )
+    assert dead_ranks(exited) == "rank 2 exited with status 3 (os._exit, or exit() in C code)"
+    signaled = "prterun noticed that process rank 1 with PID 9760 on node vm exited on\nsignal 9 (Killed).\n"
+    assert dead_ranks(signaled) == "rank 1 was killed by signal 9 (SIGKILL)"

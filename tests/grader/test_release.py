@@ -13,6 +13,7 @@ from grader.config import ROOT, is_release, load_rubric
 from grader.release import make_release
 from grader.selfcheck import copy_environment
 from grader.stubs import BEGIN
+from tinytrain import launcher
 
 pytestmark = [
     pytest.mark.skipif(is_release(), reason="releases are made from the instructors' repository"),
@@ -54,9 +55,7 @@ def test_release_suite_passes_with_stand_ins_and_todo_stubs(release):
     """In the copy: graded tests are TODO, reference tests skipped, the framework works on stand-ins."""
     env = copy_environment(release)
     cmd = [
-        "mpirun",
-        "-n",
-        "4",
+        *launcher.mpirun_command(4),
         sys.executable,
         "-m",
         "pytest",
@@ -104,7 +103,7 @@ def test_release_with_assignment_1_done_is_green_and_its_handout_commands_work(r
         return proc.returncode, proc.stdout + proc.stderr
 
     code, out = run(
-        "mpirun", "-n", "4", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        *launcher.mpirun_command(4), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
         "tests/graded/test_a1_collectives.py", "tests/distributed/test_bench.py",
     )  # fmt: skip
     assert code == 0, out[-6000:]
@@ -115,8 +114,8 @@ def test_release_with_assignment_1_done_is_green_and_its_handout_commands_work(r
     code, out = run(sys.executable, "-m", "grader", "--impl", "reference")
     assert code == 2 and "--impl" in out, out  # a student copy has no reference to grade
     code, out = run(
-        "mpirun", "-n", "4", sys.executable, "-m", "tinytrain.cli", "bench", "collectives", "--impl", "assignments",
-        "--algo", "ring", "--sizes", "64K", "--rounds", "1",
+        *launcher.mpirun_command(4), sys.executable, "-m", "tinytrain.cli", "bench", "collectives",
+        "--impl", "assignments", "--algo", "ring", "--sizes", "64K", "--rounds", "1",
     )  # fmt: skip
     assert code == 0 and "TODO" not in out, out[-3000:]
 

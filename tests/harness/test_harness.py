@@ -17,6 +17,7 @@ import time
 import pytest
 
 from grader.run import mpi_environment
+from tinytrain import launcher
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,9 +53,9 @@ def test_04_different_collectives():
 def test_05_mismatched_shapes():
     dist.all_reduce(np.ones(9 if dist.get_rank() == 3 else 8))
 
-def test_06_send_never_received():
-    if dist.get_rank() == 0:
-        dist.send(np.ones(1 << 20), 1)  # 8 MB: rendezvous, needs a matching receive
+def test_06_receive_never_sent():
+    if dist.get_rank() == 0:  # (not a send never received: MPI may buffer one, and Intel MPI does, 8 MB too)
+        dist.recv(np.ones(8), 1)
 
 def test_07_ok_after_hang():
     x = np.arange(8.0)
@@ -90,6 +91,7 @@ def clean_env(**extra):
     env = {k: v for k, v in mpi_environment().items() if not k.startswith(("MPIR_CVAR_", "TINYTRAIN_"))}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env["COLUMNS"] = "400"  # keep the short summary lines whole
+    env["PY_COLORS"] = "0"  # plain text: Open MPI gives its ranks a terminal, and pytest colours for one
     env.update(extra)
     return env
 
@@ -99,7 +101,7 @@ def run_pytest(tmp_path, source, ranks, *args, **env):
     (tmp_path / "test_injected.py").write_text(textwrap.dedent(source))
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfs", *args, "test_injected.py"]
     if ranks:
-        cmd = [shutil.which("mpirun") or "mpirun", "-n", str(ranks)] + cmd
+        cmd = launcher.mpirun_command(ranks) + cmd
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(**env), capture_output=True, text=True, timeout=240)
     return proc, proc.stdout + proc.stderr, time.monotonic() - start
@@ -118,7 +120,7 @@ def test_injected_faults_end_fast_name_rank_and_operation_and_later_tests_pass(t
         "test_02_rank_raises_before_collective",
         "test_04_different_collectives",
         "test_05_mismatched_shapes",
-        "test_06_send_never_received",
+        "test_06_receive_never_sent",
         "test_11_a_peer_failure_nobody_skipped_is_a_failure",  # not skipped: no rank skipped it
     }, out
     assert summary["test_02_rank_raises_before_collective"].startswith("[rank 1] RuntimeError: injected on rank 1")
@@ -127,8 +129,10 @@ def test_injected_faults_end_fast_name_rank_and_operation_and_later_tests_pass(t
     assert "rank 1 gave up on purpose" in out
     assert "rank 2 called all_gather(shape=(8,), float32" in out and "while rank 0 called all_reduce" in out
     assert "rank 3 called all_reduce(shape=(9,)" in out and "differ in shape" in out
-    assert summary["test_06_send_never_received"].startswith("[rank 0]")
-    assert re.search(r"CommTimeout: send on group world .*timed out after 2\.\d s waiting for send to rank 1", out), out
+    assert summary["test_06_receive_never_sent"].startswith("[rank 0]")
+    assert re.search(r"CommTimeout: recv on group world .*timed out after 2\.\d s waiting for recv from rank 1", out), (
+        out
+    )
     assert re.search(r"5 failed, 5 passed, 1 skipped", out), out
     # rank 0 was waiting in the all-reduce when rank 2 skipped: its report gives rank 2's reason
     assert re.search(r"SKIPPED \[1\] test_injected.py:\d+: TODO 1.1 on rank 2", out), out

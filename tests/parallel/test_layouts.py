@@ -15,6 +15,7 @@ import parallel_cases
 import pytest
 
 from tinytrain import distributed as dist
+from tinytrain import launcher
 from tinytrain.cli import main
 from tinytrain.parallel.simulator import bubble_formula
 
@@ -307,7 +308,16 @@ def test_mpirun_without_a_layout_is_data_parallel_over_every_rank(tmp_path):
     if shutil.which("mpirun") is None:
         pytest.skip("needs mpirun")
     tiny = [a for a in TINY if a != "--quiet"]
-    argv = ["mpirun", "-n", "2", sys.executable, "-m", "tinytrain.cli", "train", *tiny, "--out", str(tmp_path / "run")]
+    argv = [
+        *launcher.mpirun_command(2),
+        sys.executable,
+        "-m",
+        "tinytrain.cli",
+        "train",
+        *tiny,
+        "--out",
+        str(tmp_path / "run"),
+    ]
     env = dict(mpi_environment(), TINYTRAIN_DEVICE="cpu")
     r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=180)
     assert r.returncode == 0, r.stderr
