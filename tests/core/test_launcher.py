@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +158,75 @@ def test_the_one_process_stand_in_delivers_a_message_to_itself_and_reports_trunc
     with pytest.raises(MPI.Exception) as err:
         comm.Irecv([np.zeros(2), MPI.BYTE], 0, 8).Test()
     assert err.value.Get_error_class() == MPI.ERR_TRUNCATE
+
+
+@pytest.mark.skipif(launcher.find_mpirun() is None, reason="needs mpirun")
+def test_a_hostfile_launch_as_the_readme_gives_it_trains(tmp_path):
+    """The README's hostfile line for this MPI, with this machine as the one host: a 2-rank run."""
+    import json
+    import socket
+
+    from grader.run import mpi_environment
+
+    kind = launcher.kind(launcher.find_mpirun())
+    if kind not in launcher.HOSTFILE_LINE:
+        pytest.skip(f"{launcher.find_mpirun()} is none of MPICH, Intel MPI, Open MPI")
+    line = launcher.HOSTFILE_LINE[kind].format(host=socket.gethostname(), slots=2)
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    flag = launcher.HOSTFILE_FLAG[kind]
+    assert f"mpirun {flag} hosts" in readme and launcher.HOSTFILE_LINE[kind].format(host="node1", slots=4) in readme
+    (tmp_path / "hosts").write_text(line + "\n")
+    tiny = "--steps 3 --layers 1 --width 32 --heads 2 --eval-every 100 --eval-batches 1 --no-plot --quiet --out run"
+    train = [sys.executable, "-m", "tinytrain.cli", "train", *tiny.split()]
+    argv = [*launcher.mpirun_command(2, hostfile="hosts"), *train]
+    env = dict(mpi_environment(), TINYTRAIN_DEVICE="cpu")
+    r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    manifest = json.loads((tmp_path / "run" / "ckpt" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2, r.stdout + r.stderr
+
+
+def test_a_hostfile_for_an_mpi_we_do_not_know_is_refused(tmp_path):
+    fake = tmp_path / "mpirun"
+    fake.write_text("#!/bin/sh\necho 'some other MPI 1.0'\n")
+    fake.chmod(0o755)
+    with pytest.raises(ValueError, match="give it the hosts as its manual says"):
+        launcher.mpirun_command(2, mpirun=str(fake), hostfile="hosts")
+
+
+def test_the_slurm_script_resumes_its_checkpoint_and_requeues_after_the_time_limit_signal(tmp_path):
+    """scripts/slurm.sbatch without Slurm: an ``srun`` that runs its command here (one rank) and an
+    ``scontrol`` that writes down what it was asked. The second run of the job continues the first's
+    checkpoint; a run that tinytrain stopped on Slurm's SIGUSR1 (exit 138) requeues the job."""
+    import json
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "slurm.sbatch"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "$@" >> "$LOG"\nshift\n"$@"\nrc=$?\nexit "${FAKE_STATUS:-$rc}"\n')
+    (bin_dir / "scontrol").write_text('#!/bin/sh\necho "scontrol $@" >> "$LOG"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    log = tmp_path / "calls.txt"
+    tiny = "--layers 1 --width 32 --heads 2 --eval-every 100 --eval-batches 1 --no-plot --quiet"
+    from grader.run import mpi_environment
+
+    env = {k: v for k, v in mpi_environment().items() if not k.startswith(("SLURM_", "TINYTRAIN_"))}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", LOG=str(log), VENV=sys.prefix, OUT="run", TINYTRAIN_DEVICE="cpu")
+
+    def job(steps: int, **more) -> subprocess.CompletedProcess:
+        env_now = dict(env, ARGS=f"{tiny} --steps {steps}", **more)
+        return subprocess.run(["bash", str(script)], cwd=tmp_path, env=env_now, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+
+    first = job(3)
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = job(3)
+    assert second.returncode == 0, second.stdout + second.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("--mpi=pmix tinytrain train") and "--resume" not in calls[0], calls
+    assert calls[1].endswith("--out run --resume"), calls  # the second run found the first's checkpoint
+    assert len(json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"]) == 3  # kept, not redone
+    stopped = job(3, FAKE_STATUS="138", SLURM_JOB_ID="42")
+    assert stopped.returncode == 138 and "requeueing job 42" in stopped.stdout, stopped.stdout + stopped.stderr
+    assert log.read_text().splitlines()[-1] == "scontrol requeue 42"
