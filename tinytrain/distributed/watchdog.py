@@ -324,10 +324,16 @@ def dead_peers() -> list[int]:
     return sorted(rank for rank, (host, pid) in here.items() if host == _HOST and not launcher.alive(pid))
 
 
-def who_died_here() -> str | None:
+def who_died_here(wait: float = 0.3) -> str | None:
     """ "rank 1 (pid 123 on node7) has died": the ranks on this machine that have ended, said by the
-    lowest-numbered rank still alive here (None on the others, and when none has ended)."""
+    lowest-numbered rank still alive here (None on the others, and when none has ended). A launcher
+    may tell the survivors as soon as the dead rank's pipes close, a moment before its process is
+    gone: so look for ``wait`` seconds."""
+    end = time.monotonic() + wait
     dead = dead_peers()
+    while not dead and time.monotonic() < end:
+        time.sleep(0.01)
+        dead = dead_peers()
     if not dead or _alert_comm is None:
         return None
     me = _alert_comm.Get_rank()
