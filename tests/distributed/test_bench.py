@@ -4,6 +4,7 @@ second mpirun launch without tinytrain's MPICH settings."""
 
 import argparse
 import json
+import os
 import shutil
 
 import pytest
@@ -86,7 +87,8 @@ def test_baseline_is_mpi_as_it_comes_and_both_columns_point_the_same_way(tmp_pat
         return
     printed = capsys.readouterr().out
     # the second launch read no MPICH setting of ours at its MPI_Init; this one ran under its own
-    assert "# MPI as it comes: a second mpirun -n 4 launch, MPICH settings: none (MPICH's own defaults)" in printed
+    as_it_comes = bench.mpich_settings(bench.baseline_environment())  # none, or only what the user set
+    assert f"# MPI as it comes: a second mpirun -n 4 launch, MPICH settings: {as_it_comes}" in printed
     assert f"# ours (tinytrain's collectives): this launch, MPICH settings: {bench.mpich_settings()}" in printed
     assert f"# MPI here: this launch, MPICH settings: {bench.mpich_settings()}" in printed
     assert "# ratio = our busbw / busbw of MPI as it comes (above 1: ours faster; below 1: MPI faster)" in printed
@@ -134,7 +136,7 @@ class _FakeLaunch:
     started = []
 
     def __init__(self, comm, on_device=False):
-        self.settings = "none (MPICH's own defaults)"
+        self.settings = bench.mpich_settings(bench.baseline_environment())  # what a real second launch reads
         _FakeLaunch.started.append(comm.Get_rank())
 
     def ask(self, request):
@@ -155,7 +157,8 @@ def test_a_throttled_launch_times_mpi_as_it_comes_in_a_second_launch(tmp_path, c
     assert _FakeLaunch.started == [dist.get_rank()]
     if dist.get_rank() == 0:
         printed = capsys.readouterr().out
-        assert "# MPI as it comes: a second mpirun -n 4 launch, MPICH settings: none (MPICH's own defaults)" in printed
+        as_it_comes = bench.mpich_settings(bench.baseline_environment())  # none, or only what the user set
+        assert f"# MPI as it comes: a second mpirun -n 4 launch, MPICH settings: {as_it_comes}" in printed
         assert "MPIR_CVAR_CH4_PROGRESS_THROTTLE=1" in printed  # ours: this launch's settings, said
         [row] = rows
         assert row["mpi_time_us"] == pytest.approx(1e3)  # the second launch's figure is the baseline
@@ -165,13 +168,18 @@ def test_the_baseline_environment_drops_our_settings_and_this_launchs_wiring(mon
     monkeypatch.setenv("PMI_RANK", "3")
     monkeypatch.setenv("HYDI_CONTROL_FD", "7")
     monkeypatch.setenv("SOME_USER_SETTING", "kept")
+    for key in [k for k in os.environ if k.startswith("MPIR_CVAR_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("MPIR_CVAR_NOLOCAL", "1")  # the user's (the network path): MPI as it comes keeps it
     for key, value in MPICH_THROTTLE.items():
         monkeypatch.setenv(key, value)
     env = bench.baseline_environment()
     assert not set(MPICH_THROTTLE) & set(env)
     assert "PMI_RANK" not in env and "HYDI_CONTROL_FD" not in env
     assert env["TINYTRAIN_MPI_THROTTLE"] == "0" and env["SOME_USER_SETTING"] == "kept"
-    assert bench.mpich_settings(env) == "none (MPICH's own defaults)"
+    assert bench.mpich_settings(env) == "MPIR_CVAR_NOLOCAL=1"
+    monkeypatch.delenv("MPIR_CVAR_NOLOCAL")
+    assert bench.mpich_settings(bench.baseline_environment()) == "none (MPICH's own defaults)"
 
 
 @pytest.mark.world_size(4)
