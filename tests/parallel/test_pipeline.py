@@ -28,10 +28,13 @@ def batches(seed, steps, rows, cfg):
 
 
 def adam(params):
-    # eps 1e-6, not the default 1e-8: a gradient element that is pure float32 rounding (about 1e-8
-    # here, and different in the pipeline's summation order) would otherwise move its parameter
-    # by a sizeable part of lr, so the check would measure Adam's amplification of rounding.
-    return AdamW(params, lr=1e-2, eps=1e-6)
+    # eps 1e-4, not the default 1e-8: Adam moves a parameter by about lr whatever its gradient's
+    # size, so an element whose gradient is near 0 (float32 rounding, different in the pipeline's
+    # summation order) would move differently, and the check would measure Adam's amplification of
+    # rounding. eps 1e-6 still failed 1 seed of 41 (400613934: blocks.0.mlp.fc_1.weight off by
+    # 2.3e-4 under gpipe and zb-v alike, and equal under SGD); 1e-4 none. The losses are still
+    # checked to 1e-5.
+    return AdamW(params, lr=1e-2, eps=1e-4)
 
 
 def serial_run(cfg, data, seed):
