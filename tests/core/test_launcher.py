@@ -172,9 +172,12 @@ def test_a_hostfile_launch_as_the_readme_gives_it_trains(tmp_path):
     if kind not in launcher.HOSTFILE_LINE:
         pytest.skip(f"{launcher.find_mpirun()} is none of MPICH, Intel MPI, Open MPI")
     line = launcher.HOSTFILE_LINE[kind].format(host=socket.gethostname(), slots=2)
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    from grader.config import is_release
+
     flag = launcher.HOSTFILE_FLAG[kind]
-    assert f"mpirun {flag} hosts" in readme and launcher.HOSTFILE_LINE[kind].format(host="node1", slots=4) in readme
+    if not is_release():  # a student copy's README is the student's
+        readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+        assert f"mpirun {flag} hosts" in readme and launcher.HOSTFILE_LINE[kind].format(host="node1", slots=4) in readme
     (tmp_path / "hosts").write_text(line + "\n")
     tiny = "--steps 3 --layers 1 --width 32 --heads 2 --eval-every 100 --eval-batches 1 --no-plot --quiet --out run"
     train = [sys.executable, "-m", "tinytrain.cli", "train", *tiny.split()]

@@ -203,6 +203,7 @@ def test_no_rank_outlives_a_launcher_killed_without_passing_the_signal_on(tmp_pa
             break
     lines.extend(proc.stderr)  # to the end: every process holding the pipe (the launcher) has exited
     err = "".join(lines)
+    assert (tmp_path / "cut" / "ckpt" / "manifest.json").is_file(), err
     stopped = json.loads((tmp_path / "cut" / "ckpt" / "manifest.json").read_text())["step"]
     assert 5 <= stopped < 300, err
     assert f"(mpirun (pid {proc.pid}) has exited): finishing this step" in err, err
