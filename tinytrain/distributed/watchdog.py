@@ -163,7 +163,7 @@ def install(alert_comm) -> None:
     abandon(req for req, _ in _alert_sends)
     _alert_sends.clear()
     failures.clear()
-    places.clear()
+    local_pids.clear()
 
 
 def uninstall() -> None:
@@ -295,7 +295,7 @@ def _post_beat(comm) -> None:
         _beat_sends.append((comm.Isend(data, dest=peer, tag=_BEAT_TAG), data))
 
 
-places: dict[int, tuple[str, int]] = {}  # world rank -> (host, process id), as told (see ``learn_places``)
+local_pids: dict[int, int] = {}  # world rank -> process id, of the ranks on this machine (``learn_places``)
 
 
 def learn_places(pids, hosts) -> None:
@@ -303,25 +303,31 @@ def learn_places(pids, hosts) -> None:
     machine), gathered at a program's start (``tinytrain train``'s start line). Heartbeats say it
     too, but a rank killed before its first beat would go unnamed."""
     mine = hosts[_alert_comm.Get_rank()] if _alert_comm is not None else None
-    for rank, (pid, host) in enumerate(zip(pids, hosts, strict=True)):
-        if host == mine:
-            places[rank] = (_HOST, int(pid))
+    local_pids.update(
+        {rank: int(pid) for rank, (pid, host) in enumerate(zip(pids, hosts, strict=True)) if host == mine}
+    )
+
+
+def _pids_here() -> dict[int, int]:
+    """World rank -> process id of every rank known to run on this machine (start line, heartbeats)."""
+    pids = {r: state["pid"] for r, (_, state) in beats.items() if state.get("host") == _HOST and "pid" in state}
+    pids.update(local_pids)
+    return pids
 
 
 def where(rank: int) -> str:
     """ " (pid 123 on node7)": where ``rank`` runs, as it told ("" if it never did)."""
+    if rank in local_pids:
+        return f" (pid {local_pids[rank]} on {_HOST})"
     state = beats.get(rank, (0, {}))[1]
-    host, pid = places.get(rank) or (state.get("host"), state.get("pid"))
-    return f" (pid {pid} on {host})" if pid is not None else ""
+    return f" (pid {state['pid']} on {state['host']})" if "pid" in state else ""
 
 
 def dead_peers() -> list[int]:
     """The ranks on this machine whose process has ended, by the process ids they gave. What a rank
     can still tell when its launcher, having seen one rank die, is stopping the rest (Open MPI sends
-    them SIGTERM first; MPICH's hydra, without -disable-auto-cleanup, kills them before any can)."""
-    here = {r: (st["host"], st["pid"]) for r, (_, st) in beats.items() if st.get("host") == _HOST and "pid" in st}
-    here.update(places)
-    return sorted(rank for rank, (host, pid) in here.items() if host == _HOST and not launcher.alive(pid))
+    them SIGTERM first; MPICH's hydra kills them before any can)."""
+    return sorted(rank for rank, pid in _pids_here().items() if not launcher.alive(pid))
 
 
 def who_died_here(wait: float = 0.3) -> str | None:
@@ -337,7 +343,7 @@ def who_died_here(wait: float = 0.3) -> str | None:
     if not dead or _alert_comm is None:
         return None
     me = _alert_comm.Get_rank()
-    here = {rank for rank, (_, state) in beats.items() if state.get("host") == _HOST} | set(places) | {me}
+    here = set(_pids_here()) | {me}
     if me != min(here - set(dead)):
         return None
     named = ", ".join(f"rank {rank}{where(rank)}" for rank in dead)
