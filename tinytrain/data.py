@@ -117,6 +117,27 @@ class AdditionDataset:
         y[:, : self.prompt_len - 1] = IGNORE
         return x, y
 
+    def examples(self, limit: int = 1 << 16, seed: int = 0):
+        """The training problems as a finite pool (federated clients split it): ``(keys, labels)``,
+        a key ``a·10^d + b`` per problem and its label, the answer's lowest digit (the first answer
+        token). Every training problem while there are at most ``limit`` (two digits: 9,000 or so),
+        else ``limit`` distinct ones drawn with ``seed``."""
+        top = 10**self.digits
+        if top * top <= limit:
+            keys = numpy.arange(top * top, dtype=numpy.int64)
+        else:
+            keys = numpy.unique(numpy.random.default_rng([seed, 3]).integers(0, top * top, size=limit))
+        keys = keys[~self._is_val(keys // top, keys % top)]
+        return keys, (keys // top + keys % top) % 10
+
+    def rows(self, keys):
+        """Inputs and targets of the problems ``keys`` (of :meth:`examples`), as ``batch`` gives them."""
+        top = 10**self.digits
+        seqs = self.render(keys // top, keys % top)
+        x, y = seqs[:, :-1], seqs[:, 1:].copy()
+        y[:, : self.prompt_len - 1] = IGNORE
+        return x, y
+
     def accuracy(self, generate, split="val", count=200, seed=0) -> float:
         """Share of ``count`` problems whose whole answer ``generate(prompts, n)`` gets right."""
         rng = numpy.random.default_rng([seed, 2**31 - 1])
@@ -200,6 +221,25 @@ class CharDataset(CharVocabulary):
         starts = rng.integers(0, len(data) - self.block_size, size=batch_size)  # last start: len - block - 1
         x = numpy.stack([data[s : s + self.block_size] for s in starts])
         y = numpy.stack([data[s + 1 : s + self.block_size + 1] for s in starts])
+        return x, y
+
+    def examples(self, limit: int = 1 << 20, seed: int = 0):
+        """The training windows as a finite pool (federated clients split it): ``(keys, labels)``,
+        a window's start position and its first character. Every start while there are at most
+        ``limit``, else every k-th, so that ``limit`` remain."""
+        starts = len(self.splits["train"]) - self.block_size
+        keys = numpy.arange(0, starts, max(1, -(-starts // limit)), dtype=numpy.int64)
+        return keys, self.splits["train"][keys]
+
+    def rows(self, keys):
+        """Inputs and targets of the windows starting at ``keys`` (of :meth:`examples`)."""
+        data = self.splits["train"]
+        x = (
+            numpy.stack([data[s : s + self.block_size] for s in keys])
+            if len(keys)
+            else numpy.zeros((0, self.block_size), numpy.int64)
+        )
+        y = numpy.stack([data[s + 1 : s + self.block_size + 1] for s in keys]) if len(keys) else x.copy()
         return x, y
 
 

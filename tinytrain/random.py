@@ -53,6 +53,12 @@ def manual_seed(seed) -> None:
     _state["seed"] = tuple(seed) if isinstance(seed, (tuple, list)) else (seed,)
 
 
+def current_seed() -> tuple:
+    """The seed given to the last ``manual_seed``, as a tuple: ``(seed, step)`` inside the training
+    loop's step (federated averaging draws its round's clients and batches from it)."""
+    return _state["seed"]
+
+
 def dropout_generator(site: str):
     """The generator of one dropout site: a pure function of the current seed and ``site``."""
     return default_rng((*_state["seed"], zlib.crc32(site.encode())))

@@ -161,6 +161,15 @@ def local_sgd_volume(psi_bytes: float, n: int, local_steps: int) -> float:
     return 2 * 2 * (n - 1) * psi_bytes / local_steps
 
 
+def fedavg_round_volume(psi: int, n: int, counted: bool = True) -> float:
+    """Bytes all n ranks send and receive together per round of federated averaging
+    (``federated.FedAvg``): one ring all-reduce of the Ψ-element update sum (and the sample count,
+    unless DP-FedAvg's fixed denominator makes it needless), 8 bytes an element (float64 sums, or
+    secure aggregation's uint64 fixed point), in which the ranks together send 2(n-1) times the
+    buffer and receive as much."""
+    return 2 * 2 * (n - 1) * (psi + (1 if counted else 0)) * 8
+
+
 def sparse_push_volume(rows_touched: int, row_bytes: int, index_bytes: int = 8) -> float:
     """Bytes of one embedding gradient pushed sparse (``data_parallel.SparsePushServer``): a row
     count, then the k rows a batch touched, each with its index; dense it is ``vocabulary · row_bytes``."""

@@ -63,8 +63,9 @@ from tinytrain.parallel.wrapper import average_op
 class ParallelModel:
     """This rank's part of the serial ``model`` under ``plan``; see the module docstring."""
 
-    def __init__(self, model, plan: Plan):
+    def __init__(self, model, plan: Plan, dataset=None, batch_size: int | None = None):
         self.model, self.plan = model, plan
+        self.dataset, self.batch_size = dataset, batch_size  # (--dp-algo fedavg's clients split the data)
         model.to(precision_dtype(plan.precision))  # 0. (what every later step shards is in it)
         self.shapes = {name: p.shape for name, p in model.named_parameters()}  # before ZeRO-3 frees them
         mesh = plan.mesh()
@@ -180,7 +181,23 @@ class ParallelModel:
             )
         if plan.dp_algo == "local-sgd":
             return data_parallel.LocalSGD(self.part, plan.local_steps, group=group)
+        if plan.dp_algo == "fedavg":
+            return self._federated(group)
         return data_parallel.LocalSGD.diloco(self.part, plan.local_steps, group=group)
+
+    def _federated(self, group):
+        from tinytrain.parallel import federated
+
+        plan = self.plan
+        if self.dataset is None:
+            raise ValueError(
+                "--dp-algo fedavg splits the training data over its clients: parallelize(model, plan, dataset)"
+            )
+        data = federated.ClientData(self.dataset, plan.n_clients, plan.partition, plan.seed)
+        return federated.FedAvg(
+            self.part, data, self.batch_size, plan.participation, plan.local_steps, secure=plan.secure_agg,
+            noise=plan.dp_noise, clip=plan.clip, delta=plan.dp_delta, group=group,
+        )  # fmt: skip
 
     def parameters(self) -> list:
         """The parameters this rank's optimizer updates (ZeRO: it updates its pieces of them)."""
@@ -197,6 +214,8 @@ class ParallelModel:
     def forward_backward(self, x, y) -> float:
         """Forward and backward of the global batch ``(x, y)``; returns its mean loss (every rank)."""
         plan, total = self.plan, x.shape[0]
+        if plan.dp_algo == "fedavg":  # the clients train on their own data, not on rows of (x, y)
+            return self.dp.round_gradients()
         per = total // (plan.dp * plan.ep)  # replicas and expert-parallel ranks take their own rows
         first = (self.dp_rank * plan.ep + self.ep_rank) * per
         # the data group averages: (sum over replicas, EP ranks and context shards) / targets
@@ -281,7 +300,7 @@ class ParallelModel:
         weight replicated over TP, or tied between first and last stage, counts once. (A parameter
         server clips on the server: the synchronous one the whole batch's gradient, the asynchronous
         one each update it applies; local SGD clips each replica's own.)"""
-        if self.plan.dp_algo in ("ps", "async-ps"):
+        if self.plan.dp_algo in ("ps", "async-ps", "fedavg"):
             return self.dp.clip_grad_norm_(max_norm)
         tied = {id(p) for p in self.stage.tied} if self.stage is not None and not self.stage.is_first else set()
         sq = xp.zeros(3, dtype=xp.float64)  # [TP-sharded, replicated, an expert of this EP rank]
@@ -397,6 +416,8 @@ class ParallelModel:
             return "\n".join(lines)
         moved = xp.asarray([wrapper.moved], dtype=xp.int64)
         dist.all_reduce(moved, group=self.dp_group)
+        if algo == "fedavg":
+            return fedavg_report(wrapper, int(moved[0]), n)
         formula = costs.local_sgd_volume(psi_bytes, n, self.plan.local_steps)
         return (
             f"--dp-algo {algo} --local-steps {self.plan.local_steps}: bytes all {n} ranks sent and received per step: "
@@ -407,6 +428,28 @@ class ParallelModel:
     def memory(self) -> dict | None:
         """ZeRO's bytes per rank (params, grads, optimizer, gathered_peak), else None."""
         return self.zero.memory() if self.zero is not None else None
+
+
+def fedavg_report(wrapper, moved: int, n: int) -> str:
+    """--dp-algo fedavg: bytes per round against the formula, the clients' upload and download, ε."""
+    counted = wrapper.clip is None
+    formula = costs.fedavg_round_volume(wrapper.size, n, counted)
+    chosen = len(wrapper.selected)
+    lines = [
+        f"--dp-algo fedavg: {wrapper.data.clients} clients, {chosen} a round, --local-steps {wrapper.local_steps}: "
+        f"bytes all {n} ranks sent and received per round: {moved / wrapper.steps:,.0f} measured over "
+        f"{wrapper.steps} rounds; "
+        f"formula 2·2(N-1)·{'(Ψ + 1)' if counted else 'Ψ'}·8 = {formula:,.0f} (Ψ = {wrapper.size:,}; "
+        f"{'uint64 fixed point, masked' if wrapper.secure else 'float64 sums'}); a deployment's clients would "
+        f"upload and download 2·S·Ψ·4 = {2 * chosen * wrapper.size * 4:,} bytes a round"
+    ]
+    if wrapper.epsilon is not None:
+        lines.append(
+            f"privacy spent: ε = {wrapper.epsilon:.3g} at δ = {wrapper.delta:g} after {wrapper.spent_rounds} rounds "
+            f"(σ = {wrapper.noise:g}, clip {wrapper.clip:g}, q = {chosen}/{wrapper.data.clients}; "
+            "dp-accounting's RDP accountant)"
+        )
+    return "\n".join(lines)
 
 
 def staleness_line(staleness: list[int], bound: int | None) -> str:
@@ -421,6 +464,7 @@ def staleness_line(staleness: list[int], bound: int | None) -> str:
     )
 
 
-def parallelize(model, plan: Plan) -> ParallelModel:
-    """This rank's part of ``model`` under ``plan``: shard (TP/SP), split (PP), wrap (DP/ZeRO)."""
-    return ParallelModel(model, plan)
+def parallelize(model, plan: Plan, dataset=None, batch_size: int | None = None) -> ParallelModel:
+    """This rank's part of ``model`` under ``plan``: shard (TP/SP), split (PP), wrap (DP/ZeRO).
+    ``dataset`` and ``batch_size``: only --dp-algo fedavg needs them (its clients split the data)."""
+    return ParallelModel(model, plan, dataset, batch_size)

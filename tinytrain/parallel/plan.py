@@ -20,6 +20,17 @@ DP_ALGOS = {
     "async-ps": "an asynchronous parameter server: each gradient applied as it arrives (AsyncParameterServer)",
     "local-sgd": "--local-steps H steps alone, then the parameters averaged (LocalSGD)",
     "diloco": "local SGD with an outer Nesterov momentum, lr 0.7, momentum 0.9 (LocalSGD.diloco)",
+    "fedavg": "federated averaging: --clients with their own data, --local-steps H each per round (federated.FedAvg)",
+}
+# The flags that mean something only with --dp-algo fedavg, and their defaults.
+FED_FLAGS = {
+    "clients": None,
+    "participation": 1.0,
+    "partition": "iid",
+    "secure_agg": False,
+    "dp_noise": 0.0,
+    "clip": None,
+    "dp_delta": 1e-5,
 }
 
 
@@ -48,6 +59,13 @@ class Plan:
     max_staleness: int | None = None  # async-ps: the bound on a gradient's staleness (None: unbounded)
     ps_order: str = "arrival"  # async-ps: serve gradients as they arrive, or in an order drawn from the seed
     seed: int = 0  # (the run's --seed: async-ps --ps-order seeded draws its order from it)
+    clients: int | None = None  # fedavg: the clients C (default: one per rank), C/N on each rank
+    participation: float = 1.0  # fedavg: the share F of clients in a round (S = round(F·C))
+    partition: str = "iid"  # fedavg: iid, or skew:ALPHA (labels split by Dirichlet(ALPHA))
+    secure_agg: bool = False  # fedavg: pairwise masks on the updates (secure aggregation)
+    dp_noise: float = 0.0  # fedavg with --clip: the noise multiplier σ (DP-FedAvg)
+    clip: float | None = None  # fedavg: each client's update clipped to this norm (DP-FedAvg)
+    dp_delta: float = 1e-5  # fedavg with --dp-noise: the δ at which ε is reported
 
     def __post_init__(self):
         object.__setattr__(self, "chunks", chunks_of(self.schedule, self.chunks))  # ZB-V: two, in a V
@@ -62,7 +80,11 @@ class Plan:
 
     @property
     def is_serial(self) -> bool:
-        return self.world_size == 1 and not self.zero and not self.sp
+        return self.world_size == 1 and not self.zero and not self.sp and self.dp_algo != "fedavg"
+
+    @property
+    def n_clients(self) -> int:
+        return self.clients if self.clients is not None else self.dp
 
     def flags(self) -> str:
         """The command-line flags of this plan, for messages."""
@@ -126,6 +148,9 @@ class Plan:
                 f"{self.flags()} needs exactly {self.world_size} ranks (dp x pp x ep x cp x tp): run `mpirun -n "
                 f"{self.world_size} tinytrain train {self.flags()} ...` (this run has {world_size})"
             )
+        if self.dp_algo == "fedavg":
+            self.check_federated(batch_size)
+            return
         shards = self.dp * self.ep  # expert-parallel ranks each take their own rows, as replicas do
         if batch_size % (shards * (self.n_microbatches if self.pp > 1 else 1)):
             per = f"{shards} replicas x {self.n_microbatches} micro-batches" if self.pp > 1 else f"{shards} replicas"
@@ -151,12 +176,23 @@ class Plan:
             raise ValueError(f"--dp-algo must be one of {', '.join(DP_ALGOS)}, got {algo!r}")
         if self.local_steps < 1:
             raise ValueError(f"--local-steps must be at least 1, got {self.local_steps}")
-        if self.local_steps != 1 and algo not in ("local-sgd", "diloco"):
-            raise ValueError("--local-steps is the H of --dp-algo local-sgd or diloco: add one of them, or drop it")
         if self.max_staleness is not None and (algo != "async-ps" or self.max_staleness < 0):
             raise ValueError("--max-staleness bounds --dp-algo async-ps: give it 0 or more, with --dp-algo async-ps")
         if self.ps_order != "arrival" and algo != "async-ps":
             raise ValueError("--ps-order is the serving order of --dp-algo async-ps: add it, or drop --ps-order")
+        if self.local_steps != 1 and algo not in ("local-sgd", "diloco", "fedavg"):
+            raise ValueError(
+                "--local-steps is the H of --dp-algo local-sgd, diloco or fedavg: add one of them, or drop it"
+            )
+        if algo == "fedavg":
+            self.check_federated()
+        else:
+            for name, default in FED_FLAGS.items():
+                if getattr(self, name) != default:
+                    flag = "--" + name.replace("_", "-")
+                    raise ValueError(
+                        f"{flag} is a setting of federated averaging: add --dp-algo fedavg, or drop {flag}"
+                    )
         if algo == "allreduce":
             return
         used = {"--tp": self.tp > 1, "--pp": self.pp > 1, "--cp": self.cp > 1, "--ep": self.ep > 1}
@@ -169,8 +205,47 @@ class Plan:
             )
         if self.precision != "fp32":
             raise ValueError(f"--dp-algo {algo} is built for --precision fp32 here: drop --precision, or use allreduce")
-        if self.dp < 2:
+        if self.dp < 2 and algo != "fedavg":  # (one rank may simulate every client)
             raise ValueError(f"--dp-algo {algo} needs 2 or more replicas: run `mpirun -n N tinytrain train --dp N ...`")
+
+    def check_federated(self, batch_size: int | None = None) -> None:
+        """--clients, --participation, --partition, --secure-agg, --dp-noise, --clip: values that work."""
+        from tinytrain.parallel.federated import parse_partition, selected_count
+
+        clients = self.n_clients
+        if clients < 1:
+            raise ValueError(f"--clients must be at least 1, got {clients}")
+        if clients % self.dp:
+            raise ValueError(
+                f"--clients {clients} does not split over --dp {self.dp} ranks (each hosts C/N clients): "
+                f"use a multiple of {self.dp}"
+            )
+        if not 0 < self.participation <= 1:
+            raise ValueError(f"--participation is the share of clients in a round, in (0, 1]; got {self.participation}")
+        parse_partition(self.partition)
+        chosen = selected_count(clients, self.participation)
+        if self.secure_agg and chosen < 2:
+            raise ValueError(
+                f"--secure-agg masks each update with the other clients of the round, but a round has {chosen} "
+                "(one client's masked update is its update): raise --participation or --clients"
+            )
+        if not self.dp_noise >= 0:
+            raise ValueError(f"--dp-noise is the noise multiplier σ, 0 or more; got {self.dp_noise}")
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"--clip is the norm each client's update is clipped to, positive; got {self.clip}")
+        if self.dp_noise and self.clip is None:
+            raise ValueError(
+                "--dp-noise σ adds noise of σ times the clip bound: add --clip S (each client's update clipped to "
+                "norm S)"
+            )
+        if not 0 < self.dp_delta < 1:
+            raise ValueError(f"--dp-delta is the δ of (ε, δ)-privacy, in (0, 1); got {self.dp_delta}")
+        if batch_size is not None and batch_size % chosen:
+            raise ValueError(
+                f"--batch-size {batch_size} (the rows of one local step over the round's clients) does not split "
+                f"over the {chosen} clients of a round (--participation {self.participation:g} of {clients}): use a "
+                f"multiple of {chosen}"
+            )
 
     def check_context_parallel(self, config) -> None:
         if self.cp_algo not in ("ring", "alltoall") or self.cp_split not in ("zigzag", "contiguous"):

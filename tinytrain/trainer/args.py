@@ -145,7 +145,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="how the --dp replicas combine their gradients: "
         + "; ".join(f"{name}: {what}" for name, what in DP_ALGOS.items()),
     )
-    par.add_argument("--local-steps", type=int, default=1, help="local-sgd, diloco: steps alone between averages (H)")
+    par.add_argument(
+        "--local-steps", type=int, default=1, help="local-sgd, diloco, fedavg: steps alone between averages (H)"
+    )
+    fed = p.add_argument_group("federated averaging (--dp-algo fedavg: one step is one round)")
+    fed.add_argument(
+        "--clients", type=int, default=None, help="fedavg: clients C, each with its own data (default: one per rank)"
+    )
+    fed.add_argument(
+        "--participation", type=float, default=1.0, help="fedavg: the share F of clients drawn for a round (seeded)"
+    )
+    fed.add_argument(
+        "--partition",
+        default="iid",
+        help="fedavg: how the training data splits over the clients: iid, or skew:ALPHA (each label class "
+        "split by Dirichlet(ALPHA) proportions: 0.1 very skewed, 100 nearly iid)",
+    )
+    fed.add_argument(
+        "--secure-agg", action="store_true", help="fedavg: pairwise masks hide each update; the sum stays exact"
+    )
+    fed.add_argument("--clip", type=float, default=None, help="fedavg: clip each client's update to this L2 norm S")
+    fed.add_argument(
+        "--dp-noise",
+        type=float,
+        default=0.0,
+        help="fedavg with --clip: Gaussian noise of std σ·S on the sum (DP-FedAvg); ε is reported",
+    )
+    fed.add_argument("--dp-delta", type=float, default=1e-5, help="fedavg with --dp-noise: the δ of the ε reported")
     par.add_argument(
         "--max-staleness",
         type=int,

@@ -153,7 +153,7 @@ def _train(args, out: Path) -> int:
     use_implementation(args.impl)  # before the model and the schedules are built
     model = build_model(args, dataset)
     parameters = model.num_parameters()  # the whole model's: a layout keeps only this rank's part
-    runner = make_runner(model, plan_of(args), args.batch_size)
+    runner = make_runner(model, plan_of(args), args.batch_size, dataset)
     optimizer, schedule = build_optimizer(args, runner.parameters())
     scaler = LossScaler() if args.precision == "fp16" else None  # bf16 has fp32's range: no scaling
     quiet = args.quiet or not runner.is_main

@@ -122,7 +122,7 @@ class SerialRunner:
 class MeshRunner:
     """Any layout of ``plan`` on the device mesh: ``hybrid.parallelize`` builds this rank's part."""
 
-    def __init__(self, model, plan, batch_size: int):
+    def __init__(self, model, plan, batch_size: int, dataset=None):
         from tinytrain import distributed as dist
         from tinytrain.distributed import watchdog
         from tinytrain.parallel.hybrid import parallelize
@@ -134,7 +134,7 @@ class MeshRunner:
         self.rank, self.is_main = dist.get_rank(), dist.get_rank() == 0
         if plan.progress == "thread":
             dist.start_progress_thread()
-        self.parallel = parallelize(model, plan)
+        self.parallel = parallelize(model, plan, dataset, batch_size)
         self.last_memory = None
 
     def parameters(self):
@@ -275,11 +275,12 @@ def launched_world() -> tuple[int, int]:
     return launcher.rank_and_size()
 
 
-def make_runner(model, plan, batch_size: int):
-    """The serial runner for one rank without parallel flags, else the mesh runner."""
+def make_runner(model, plan, batch_size: int, dataset=None):
+    """The serial runner for one rank without parallel flags, else the mesh runner. ``dataset``:
+    what a layout that splits the data itself (--dp-algo fedavg's clients) splits."""
     if plan.is_serial:
         plan.check(1, model.config, batch_size)
         model.to(precision_dtype(plan.precision))  # (a mesh casts, and applies --recompute, in hybrid.parallelize)
         apply_recompute(model, plan.recompute)
         return SerialRunner(model)
-    return MeshRunner(model, plan, batch_size)
+    return MeshRunner(model, plan, batch_size, dataset)
