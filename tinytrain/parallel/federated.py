@@ -81,14 +81,16 @@ def parse_partition(text: str) -> float | None:
 
 def partition(labels, clients: int, scheme: str = "iid", seed: int = 0) -> list:
     """Each client's indices into the pool whose labels are ``labels``: disjoint, together all of
-    them, each sorted. ``iid``: a seeded shuffle cut into ``clients`` near-equal shards.
+    them (``iid``: but for fewer than ``clients``), each sorted. ``iid``: a seeded shuffle cut into
+    ``clients`` equal shards.
     ``skew:ALPHA``: every class's samples cut by proportions over the clients drawn from
     Dirichlet(ALPHA, ..., ALPHA), so that a client's share of each class differs."""
     alpha = parse_partition(scheme)
     labels = numpy.asarray(labels)
     rng = numpy.random.default_rng([seed, 9])
-    if alpha is None:
-        return [numpy.sort(s) for s in numpy.array_split(rng.permutation(labels.size), clients)]
+    if alpha is None:  # equal shards (the pool's last size % clients examples of the shuffle go unused)
+        order = rng.permutation(labels.size)[: labels.size - labels.size % clients]
+        return [numpy.sort(s) for s in numpy.split(order, clients)]
     pieces = [[] for _ in range(clients)]
     for label in numpy.unique(labels):
         members = rng.permutation(numpy.flatnonzero(labels == label))
