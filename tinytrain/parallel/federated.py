@@ -190,7 +190,7 @@ def pairwise_mask(client: int, selected: list[int], key, size: int):
     """Client ``client``'s mask in a round whose clients are ``selected`` and whose seed is ``key``
     (a tuple of integers: the run's seed and the round), as uint64 modulo 2^64: the masks of all the
     round's clients add up to zero, and each pair's part is a function of the key and the pair alone."""
-    # BEGIN SOLUTION 9.2 "Each pair of the round's clients shares one stream, drawn from the round's key and the pair alone (not their order); one of the two adds it and the other takes it away, so that the masks of the round sum to zero modulo 2^64." full="mask = zeros(size, uint64); for every other j in selected: m = mask_stream((*key, min(client, j), max(client, j)), size); add m if client < j, else subtract it (uint64 wraps); return mask."
+    # BEGIN SOLUTION 9.2 "Every pair of the round's clients shares one pseudo-random sequence that depends on the round and on the pair alone (not on its order, nor on anyone else in the round); one member of the pair adds it, its partner subtracts it, so the round's masks sum to zero modulo 2^64." full="mask = zeros(size, uint64); for every other j in selected: m = mask_stream((*key, min(client, j), max(client, j)), size); add m if client < j, else subtract it (uint64 wraps); return mask."
     mask = xp.zeros(size, dtype=xp.uint64)
     for other in selected:
         if other == client:
@@ -268,7 +268,7 @@ def private_average(updates: list, max_norm: float, sigma: float, expected: int,
     ``rng`` (the server's: the same generator on every rank) added once to the sum, divided by
     ``expected`` (the round's count of clients S, fixed: a count that depends on who took part
     would itself tell)."""
-    # BEGIN SOLUTION 9.3 "The sum of the clipped updates over all ranks' clients, with the server's Gaussian noise of std sigma times the bound added once to it (identical on every rank), over the round's expected count of clients." full="total = total_of([clip_update(u, max_norm) for u in updates]); noise = rng.normal(0, sigma * max_norm, total.size) (host float64, then xp); return (total + noise) / expected."
+    # BEGIN SOLUTION 9.3 "Clip each update, sum over every rank's clients, perturb that sum once with the server's Gaussian draw (the same on every rank, its spread the multiplier times the bound), then divide by the round's fixed client count." full="total = total_of([clip_update(u, max_norm) for u in updates]); noise = rng.normal(0, sigma * max_norm, total.size) (host float64, then xp); return (total + noise) / expected."
     total = total_of([clip_update(u, max_norm) for u in updates])
     noise = xp.asarray(rng.normal(0.0, sigma * max_norm, size=total.size))
     return (total + noise) / expected
