@@ -516,3 +516,29 @@ def plot_dp_algos(results: list, names: list, path=None, target: float | None = 
     axes[2].set_ylabel("gradients")
     axes[2].set_title("asynchronous parameter server" if stale else "no asynchronous run")
     return _finish(fig, path, "data parallel without lock-step: communication against convergence")
+
+
+def plot_fed(results: list, path=None, target: float | None = None):
+    """``tinytrain bench fed``: validation loss against rounds and against the bytes all ranks sent,
+    per federated setting, and the skewed clients' share of each label class."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=120)
+    for r in results:
+        rounds = numpy.arange(1, len(r["loss"]) + 1)
+        axes[0].plot(rounds, r["loss"], lw=1, label=r["name"])
+        axes[1].plot(numpy.cumsum(r["bytes"]) / 2**20, r["loss"], lw=1, label=r["name"])
+    for ax, label in zip(axes[:2], ("round", "MiB sent by all ranks")):
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss")
+        ax.grid(alpha=0.3)
+        if target is not None:
+            ax.axhline(target, color="gray", ls=":", lw=1)
+    axes[0].legend(fontsize=8)
+    skewed = next((r for r in results if r["name"].startswith("skew")), None)
+    if skewed is not None:
+        shares = numpy.asarray(skewed["label_shares"])
+        image = axes[2].imshow(shares, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+        fig.colorbar(image, ax=axes[2], label="share of the client's samples")
+        axes[2].set_xlabel("label class (first answer digit)")
+        axes[2].set_ylabel("client")
+        axes[2].set_title(skewed["name"].split(",")[0])
+    return _finish(fig, path, "federated averaging: what skew, participation, masks and noise cost")

@@ -333,3 +333,22 @@ def test_one_process_may_simulate_every_client(tmp_path, capfd):
     assert main(["train", *flags, "--steps", "2", "--out", str(out)]) == 0
     err = capfd.readouterr().err
     assert "8 clients, 4 a round" in err and "per round: 0 measured" in err, err
+
+
+@pytest.mark.world_size(4)
+def test_bench_fed_measures_every_setting_and_the_bytes_the_formula_gives(tmp_path, capsys):
+    out = parallel_cases.shared_dir(tmp_path) / "bench"
+    flags = "--rounds 3 --width 32 --clients 8 --local-steps 1 --target 10 --window 1".split()
+    assert main(["bench", "fed", *flags, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    if dist.get_rank() != 0:
+        return
+    runs = {r["name"]: r for r in json.loads((out / "fed.json").read_text())["runs"]}
+    want = {"iid, all", "skew:0.3, all", "iid, 25 %", "skew:0.3, 25 %", "iid, 25 %, secure"}
+    assert want <= set(runs) and (out / "fed.png").stat().st_size > 0, runs.keys()
+    for name, r in runs.items():  # bytes sent (half the volume's sent + received), and the round's loss
+        sent = costs.fedavg_round_volume(r["psi"], 4, "σ" not in name) / 2
+        assert r["bytes"] == [pytest.approx(sent, abs=200)] * 3, (name, r["bytes"], sent)
+    assert runs["iid, 25 %"]["clients_per_round"] == 2 and runs["iid, all"]["clients_per_round"] == 8
+    assert runs["iid, 25 %, secure"]["loss"] == pytest.approx(runs["iid, 25 %"]["loss"], rel=1e-5)
+    assert "secure aggregation: the plain curve within" in printed, printed

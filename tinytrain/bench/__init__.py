@@ -8,7 +8,8 @@ two sides alternate, so load from elsewhere hits both alike. ``strategies`` comp
 strategies with each other (and with serial) on the same model: time, bytes sent, memory. ``plan``
 sets the calibrated planner's step time beside a measured one. ``scaling`` trains the same model
 serially and on 2 ranks (DP, TP, PP), alternating, and reports the speedup. ``dp-algos`` trains
-under every ``--dp-algo`` and draws loss against steps and against bytes sent.
+under every ``--dp-algo`` and draws loss against steps and against bytes sent; ``fed`` does the same
+for federated averaging's settings (skew, participation, secure aggregation, noise).
 Each benchmark is a module here with ``add_arguments(parser)`` and ``run(args)``.
 """
 
@@ -24,6 +25,7 @@ BENCHMARKS = {
     "plan": "the calibrated planner's data-parallel step time next to a measured one (mpirun -n N)",
     "scaling": "tokens/s serially and on 2 ranks per layout (DP, TP, PP): speedup, efficiency, comm (mpirun -n 2)",
     "dp-algos": "loss against steps and bytes for every --dp-algo, same seed (mpirun -n 4)",
+    "fed": "federated averaging: iid vs skewed data, participation, secure aggregation, noise (mpirun -n 4)",
 }
 
 
