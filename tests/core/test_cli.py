@@ -213,13 +213,27 @@ def test_resume_with_another_model_shape_names_the_parameter(tmp_path, capsys):
         (["--dp-algo", "ps", "--pp", "2"], "--dp-algo ps .* not with --pp"),
         (["--dp-algo", "ps"], r"--dp-algo ps needs 2 or more replicas: run `mpirun -n N tinytrain train --dp N"),
         (["--dp-algo", "async-ps", "--precision", "fp16"], "--dp-algo async-ps is built for --precision fp32"),
-        (["--local-steps", "4"], "--local-steps is the H of --dp-algo local-sgd or diloco"),
+        (["--local-steps", "4"], "--local-steps is the H of --dp-algo local-sgd, diloco or fedavg"),
         (["--dp-algo", "local-sgd", "--local-steps", "0"], "--local-steps must be at least 1, got 0"),
         (["--dp-algo", "ps", "--max-staleness", "1"], "--max-staleness bounds --dp-algo async-ps"),
         (["--dp-algo", "async-ps", "--max-staleness", "-1"], "--max-staleness bounds --dp-algo async-ps: give it 0"),
         (["--ps-order", "seeded"], "--ps-order is the serving order of --dp-algo async-ps"),
         (["--dp-algo", "diloco", "--resume"], "--resume with --dp-algo diloco is refused: each replica's inner"),
         (["--dp-algo", "async-ps", "--resume"], "--resume with --dp-algo async-ps is refused: the versions"),
+        # --dp-algo fedavg (one process may simulate every client; tests/parallel/test_federated.py runs it)
+        (["--clients", "4"], "--clients is a setting of federated averaging: add --dp-algo fedavg, or drop"),
+        (["--secure-agg"], "--secure-agg is a setting of federated averaging"),
+        (["--dp-algo", "fedavg", "--partition", "skew:0"], "--partition is iid or skew:ALPHA with ALPHA > 0"),
+        (["--dp-algo", "fedavg", "--partition", "dirichlet"], "--partition is iid or skew:ALPHA.*'dirichlet'"),
+        (["--dp-algo", "fedavg", "--dp-noise", "1"], "--dp-noise σ adds noise of σ times the clip bound: add --clip"),
+        (["--dp-algo", "fedavg", "--clip", "0"], "--clip is the norm each client's update is clipped to, positive"),
+        (["--dp-algo", "fedavg", "--clients", "2", "--participation", "0.5", "--secure-agg"], "a round has 1"),
+        (["--dp-algo", "fedavg", "--clients", "3"], "--batch-size 8 .* does not split over the 3 clients of a round"),
+        (
+            ["--dp-algo", "fedavg", "--participation", "1.5"],
+            r"--participation is the share of clients in a round, in \(0, 1\]",
+        ),
+        (["--dp-algo", "fedavg", "--precision", "bf16"], "--dp-algo fedavg is built for --precision fp32"),
     ],
 )
 def test_bad_arguments_exit_with_a_clear_message(tmp_path, bad, message, capsys):
