@@ -38,6 +38,7 @@ A6 = "tinytrain/parallel/expert_parallel/"
 A7 = "tinytrain/parallel/context_parallel/"
 A8_CHECKPOINT = "tinytrain/autograd/checkpoint.py"
 A8_OPTIM = "tinytrain/optim.py"
+A9 = "tinytrain/parallel/federated.py"
 
 
 @dataclass(frozen=True)
@@ -1240,9 +1241,177 @@ MUTANTS += [
         '        return {**self.new_state(param), "master": master}',
         "must be float32|bytes",
     ),
+    # --- assignment 9: federated learning --------------------------------------------------------------
+    M(
+        "fedavg_unweighted_mean",  # every client counts once, whatever its samples
+        "9.1",
+        A9,
+        "xp.asarray(u, dtype=xp.float64).reshape(-1) * n, xp.asarray([float(n)])",
+        "xp.asarray(u, dtype=xp.float64).reshape(-1), xp.asarray([1.0])",
+        "unweighted mean",
+    ),
+    M(
+        "fedavg_local_denominator",  # the numerator summed over ranks, the samples this rank's own
+        "9.1",
+        A9,
+        "    samples = float(total[-1])",
+        "    samples = float(sum(counts))",
+        "denominator|samples|nan",
+    ),
+    M(
+        "fedavg_averages_of_ranks_summed",  # each rank averages its own clients, the ranks' averages summed
+        "9.1",
+        A9,
+        "xp.asarray(u, dtype=xp.float64).reshape(-1) * n, xp.asarray([float(n)])",
+        "xp.asarray(u, dtype=xp.float64).reshape(-1) * (n / max(sum(counts), 1)), "
+        "xp.asarray([n / max(sum(counts), 1)])",
+        "denominator|each rank",
+    ),
+    M(
+        "fedavg_rank_without_clients_skips_the_sum",  # the others wait in the sum: a deadline, not a hang
+        "9.1",
+        A9,
+        "    vectors = [\n        xp.concatenate(",
+        "    if not updates:\n        return xp.zeros(0, dtype=xp.float64)\n    vectors = [\n        xp.concatenate(",
+        "called 0 times",
+    ),
+    M(
+        "fedavg_zero_samples_divides_by_zero",
+        "9.1",
+        A9,
+        "    if samples <= 0:\n        return xp.zeros(total.size - 1, dtype=xp.float64)\n",
+        "",
+        "nan",
+    ),
+    M(
+        "fedavg_weights_in_the_updates_dtype",  # n·Δ of a float32 update rounded to float32
+        "9.1",
+        A9,
+        "xp.asarray(u, dtype=xp.float64).reshape(-1) * n,",
+        "(xp.asarray(u).reshape(-1) * xp.asarray(n, dtype=xp.asarray(u).dtype)).astype(xp.float64),",
+        "float32",
+    ),
+    M(
+        "mask_seeded_by_the_client",  # not the pair's: the partner's mask is another stream
+        "9.2",
+        A9,
+        "stream = mask_stream((*key, min(client, other), max(client, other)), size)",
+        "stream = mask_stream((*key, client), size)",
+        "other than 0|do not cancel",
+    ),
+    M(
+        "mask_seeded_by_the_ordered_pair",  # (i, j) and (j, i) draw different streams
+        "9.2",
+        A9,
+        "stream = mask_stream((*key, min(client, other), max(client, other)), size)",
+        "stream = mask_stream((*key, client, other), size)",
+        "other than 0|do not cancel",
+    ),
+    M(
+        "both_clients_add_the_pairs_stream",
+        "9.2",
+        A9,
+        "        if client < other:\n            mask += stream\n        else:\n            mask -= stream\n",
+        "        mask += stream\n",
+        "other than 0|do not cancel",
+    ),
+    M(
+        "mask_ignores_the_round",  # the seed alone: every round the same masks
+        "9.2",
+        A9,
+        "stream = mask_stream((*key, min(client, other), max(client, other)), size)",
+        "stream = mask_stream((key[0], min(client, other), max(client, other)), size)",
+        "next round",
+    ),
+    M(
+        "mask_sign_by_place_in_the_list",  # cancels for one order of selected, not for another
+        "9.2",
+        A9,
+        "        if client < other:\n            mask += stream",
+        "        if selected.index(client) < selected.index(other):\n            mask += stream",
+        "order of selected",
+    ),
+    M(
+        "mask_of_32_bits",  # a stream of small numbers: the update shows through
+        "9.2",
+        A9,
+        "stream = mask_stream((*key, min(client, other), max(client, other)), size)",
+        "stream = mask_stream((*key, min(client, other), max(client, other)), size) >> xp.uint64(40)",
+        "correlation",
+    ),
+    M(
+        "clip_always_scales",  # to the bound: a short update is lengthened, a zero one is nan
+        "9.3",
+        A9,
+        "    if norm > max_norm:\n        d *= max_norm / norm\n",
+        "    d *= max_norm / norm\n",
+        "unchanged|nan",
+    ),
+    M(
+        "clip_returns_a_view",
+        "9.3",
+        A9,
+        "    d = xp.asarray(delta, dtype=xp.float64).reshape(-1).copy()",
+        "    d = xp.asarray(delta, dtype=xp.float64).reshape(-1)",
+        "copy, not a view",
+    ),
+    M(
+        "clip_in_the_updates_dtype",  # a float32 update's squares overflow float32
+        "9.3",
+        A9,
+        "    d = xp.asarray(delta, dtype=xp.float64).reshape(-1).copy()",
+        "    d = xp.asarray(delta).reshape(-1).copy()",
+        "float64|nan",
+    ),
+    M(
+        "noise_per_client",  # each upload noised: the sum's noise grows with the clients
+        "9.3",
+        A9,
+        "    total = total_of([clip_update(u, max_norm) for u in updates])\n"
+        "    noise = xp.asarray(rng.normal(0.0, sigma * max_norm, size=total.size))\n"
+        "    return (total + noise) / expected",
+        "    total = total_of(\n"
+        "        [clip_update(u, max_norm) + xp.asarray(rng.normal(0.0, sigma * max_norm, size=u.size))\n"
+        "         for u in updates]\n"
+        "    )\n"
+        "    return total / expected",
+        "std",
+    ),
+    M(
+        "noise_from_a_generator_of_the_rank",  # each rank its own noise: the ranks' models part
+        "9.3",
+        A9,
+        "rng.normal(0.0, sigma * max_norm, size=total.size)",
+        "numpy.random.default_rng(dist.get_rank()).normal(0.0, sigma * max_norm, size=total.size)",
+        "differs from rank 0",
+    ),
+    M(
+        "noise_of_std_sigma",  # the multiplier without the bound
+        "9.3",
+        A9,
+        "rng.normal(0.0, sigma * max_norm, size=total.size)",
+        "rng.normal(0.0, sigma, size=total.size)",
+        "std",
+    ),
+    M(
+        "private_average_over_the_updates_sent",  # the count of who took part, not the round's
+        "9.3",
+        A9,
+        "    return (total + noise) / expected",
+        "    return (total + noise) / max(len(updates), 1)",
+        "expected",
+    ),
+    M(
+        "private_average_unclipped",
+        "9.3",
+        A9,
+        "    total = total_of([clip_update(u, max_norm) for u in updates])",
+        "    total = total_of([xp.asarray(u, dtype=xp.float64) for u in updates])",
+        "clip each update",
+    ),
 ]
 
-# The representative subset CI runs (tests/grader/test_mutants.py): one mutant of each of 12 tasks,
+# The representative subset CI runs (tests/grader/test_mutants.py): one mutant of each of 13 tasks,
 # graded in one run (about 30 s on 2 cores); A3's tasks, the slowest to grade, only in the full set.
 CI_MUTANTS = (
     "direct_exchange_with_owners",
@@ -1257,6 +1426,7 @@ CI_MUTANTS = (
     "dispatch_without_regrouping_by_expert",
     "ring_computes_before_sending",
     "ulysses_forgets_to_sort_positions",
+    "fedavg_unweighted_mean",
 )
 MUTANTS = [replace(m, ci=m.name in CI_MUTANTS) for m in MUTANTS]
 
