@@ -74,6 +74,15 @@ QUESTIONS = {
         "Mixed precision keeps AdamW's 16 bytes per parameter (2 + 2 + 12 against 4 + 4 + 8): what does "
         "it save, then, and why must the masters be float32?",
     ],
+    "9": [
+        "Every aggregation moves the formula's bytes per round: why does secure aggregation add none here, "
+        "and what would it add in a deployment (the pairs' key agreement, the shares that recover a dropped "
+        "client)? Why does DP-FedAvg's sum carry one number fewer?",
+        "How many more rounds does the skewed partition need to reach the target loss, and how many bytes is "
+        "that? Why does the gap grow with the local steps H (what do the clients' updates point at)?",
+        "DP-FedAvg's noise on the average has std σ·S/m for m clients a round: how many clients would a round "
+        "need for that noise to stay below a tenth of a typical clipped update's size here?",
+    ],
 }
 
 
@@ -185,6 +194,20 @@ def section(a: str, figures: dict) -> list[str]:
             [[r["algo"], r["sent_total"], r["formula_total"], _check(r["sent_total"], r["formula_total"]),
               f"{r['ms']:.1f}"] for r in rows],
         )  # fmt: skip
+    if a == "9":
+        from .lab import FED_ROUNDS, FED_TARGET
+
+        volumes = _table(
+            ["aggregation", "flags", "bytes per round (all ranks)", "formula", "check"],
+            [[r["what"], f"`{r['flags']}`", *(["", r["todo"], ""] if "todo" in r else
+              [r["got"], r["formula"], _check(r["got"], r["formula"])])] for r in rows["bytes"]],
+        )  # fmt: skip
+        rounds = _table(
+            ["partition", "samples per client", f"rounds to a loss of {FED_TARGET}", f"loss after {FED_ROUNDS} rounds"],
+            [[r["partition"], *(["", r["todo"], ""] if "todo" in r else
+              [r["samples"], r["rounds"] or f"not within {FED_ROUNDS}", f"{r['final']:.3f}"])] for r in rows["rounds"]],
+        )  # fmt: skip
+        return [*volumes, "", *rounds]
     if a == "8":
         return _table(
             ["what", "measured", "formula", "check"],

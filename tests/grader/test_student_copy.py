@@ -173,13 +173,14 @@ def test_report_in_a_copy_measures_the_students_code_and_asks_the_questions(tmp_
             sections = text.split("## Assignment ")[1:]
             assert len(sections) == len(RUBRIC.assignments) and all("TODO" in x for x in sections), text
             assert "| equal |" not in text, text
-            assert "0 of 8 assignments measured; still TODO: 1, 2, 3, 4, 5, 6, 7, 8" in proc.stdout, proc.stdout
+            assert "0 of 9 assignments measured; still TODO: 1, 2, 3, 4, 5, 6, 7, 8, 9" in proc.stdout, proc.stdout
             continue
-        assert "8 of 8 assignments measured" in proc.stdout, proc.stdout
+        assert "9 of 9 assignments measured" in proc.stdout, proc.stdout
         assert "Not measured" not in text and "differs" not in text, text
         # A1 9 rows, DP 1, ZeRO 4 + 4 (bytes, memory), TP 2, PP 2 (interleaved has no formula), CP 2,
-        # memory 3 + 2 (activation bytes per recompute mode, AdamW state in fp32 and bf16)
-        assert text.count("| equal |") == 9 + 1 + 8 + 2 + 2 + 2 + 5, text
+        # memory 3 + 2 (activation bytes per recompute mode, AdamW state in fp32 and bf16), federated 4
+        # (bytes per round: plain and secure, FedAvg and DP-FedAvg)
+        assert text.count("| equal |") == 9 + 1 + 8 + 2 + 2 + 2 + 5 + 4, text
         assert re.search(r"\| 1f1b \| 8 \| 0\.2727 \| 0\.2727 \| \[4, 3, 2, 1\] \|", text), text
 
 
