@@ -64,6 +64,14 @@ def on_group(ranks: int):
     return group if dist.get_rank() < ranks else None
 
 
+def drawn_on(ranks: int):
+    """(generator, seed, group, this rank in it) of a case on the first ``ranks`` ranks; the group is
+    None on a rank outside it, which sits the case out."""
+    rng, seed = shared_seed()
+    group = on_group(ranks)
+    return rng, seed, group, (dist.get_rank(group) if group is not None else None)
+
+
 class Sums:
     """The test's ``total_of``: the sum over the group's ranks of float64 vectors of ``size``
     numbers (MPI's own all-reduce, with a deadline), recording how many vectors each call got."""
@@ -251,13 +259,11 @@ def explain(got, want, wrongs, what) -> str:
 @pytest.mark.world_size(N)
 @pytest.mark.parametrize("case", list(CASES_91))
 def test_weighted_average_is_fedavgs_sample_weighted_mean_on_every_rank(impl, case):
-    rng, seed = shared_seed()
     spec = CASES_91[case]
     ranks = spec.get("ranks", N)
-    group = on_group(ranks)
+    rng, seed, group, rank = drawn_on(ranks)
     if group is None:
         return  # the 4th rank sits out the 3-rank case
-    rank = dist.get_rank(group)
     psi, clients = clients_91(rng, ranks, spec)
     dtype = spec.get("dtype", np.float64)
     want = fedavg(clients, dtype)
@@ -327,11 +333,9 @@ def a_round(rng, clients_total):
 @pytest.mark.world_size(N)
 @pytest.mark.parametrize("ranks", [N, 3])
 def test_the_masks_of_a_round_sum_to_zero_and_a_clients_mask_is_the_same_on_every_rank(impl, ranks):
-    rng, seed = shared_seed()
-    group = on_group(ranks)
+    rng, seed, group, rank = drawn_on(ranks)
     if group is None:
         return
-    rank = dist.get_rank(group)
     per = int(rng.integers(1, 4))  # clients per rank
     selected, key = a_round(rng, per * ranks)
     size = int(rng.integers(1, 500))
@@ -440,12 +444,10 @@ def test_a_masked_update_is_uncorrelated_with_the_update(impl):
 @pytest.mark.parametrize("case", ["4-ranks", "a-rank-without-clients", "3-ranks"])
 def test_secure_sum_through_your_masks_is_the_exact_sum(impl, case):
     assert impl.federated.FRACTION_BITS == FRACTION_BITS
-    rng, seed = shared_seed()
     ranks = 3 if case == "3-ranks" else N
-    group = on_group(ranks)
+    rng, seed, group, rank = drawn_on(ranks)
     if group is None:
         return
-    rank = dist.get_rank(group)
     per = [int(rng.integers(1, 4)) for _ in range(ranks)]
     if case == "a-rank-without-clients":
         per[1] = 0
@@ -553,12 +555,10 @@ def private_round(rng, ranks, per=None, psi=None):
 @pytest.mark.world_size(N)
 @pytest.mark.parametrize("case", ["drawn", "a-rank-without-clients", "3-ranks", "float32-updates"])
 def test_private_average_without_noise_is_the_clipped_sum_over_the_expected_count(impl, case):
-    rng, seed = shared_seed()
     ranks = 3 if case == "3-ranks" else N
-    group = on_group(ranks)
+    rng, seed, group, rank = drawn_on(ranks)
     if group is None:
         return
-    rank = dist.get_rank(group)
     per = [2, 0, 3, 1] if case == "a-rank-without-clients" else None
     psi, bound, updates = private_round(rng, ranks, per)
     dtype = np.float32 if case == "float32-updates" else np.float64
