@@ -34,6 +34,9 @@ swapped = use_assignments()
 assert pl.make_schedule is a5.make_schedule and pl.gpipe is a5.gpipe
 assert alg._ring_reduce_scatter is a1._ring_reduce_scatter
 assert "tinytrain.parallel.data_parallel.BucketedDDP" in swapped
+import tinytrain.parallel.federated as fed
+import assignments.a9_federated as a9
+assert fed.FedAvg is a9.FedAvg and fed.weighted_average is a9.weighted_average  # --dp-algo fedavg runs yours
 print("ok", len(swapped))
 """
     proc = subprocess.run(
