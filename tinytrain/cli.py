@@ -20,11 +20,12 @@ import sys
 import time
 import traceback
 
-from tinytrain import env
+from tinytrain import env, launcher
 
 # name -> module with ``add_arguments(parser)`` and ``run(args)``
 _COMMANDS = {
     "train": ("tinytrain.trainer", "train a GPT (serial, or under mpirun with --dp/--tp/--pp)"),
+    "launch": ("tinytrain.elastic", "train under mpirun, restarting on the ranks left when one is lost (elastic)"),
     "sample": ("tinytrain.sample", "print text generated from a checkpoint"),
     "bench": (
         "tinytrain.bench",
@@ -67,6 +68,8 @@ def main(argv=None) -> int:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     command = next((a for a in argv if a in _COMMANDS), None)
+    if as_program:
+        launcher.ignore_peer_exit_notices()
     try:
         debug = env.switch("TINYTRAIN_DEBUG", what="show tracebacks") or debug
         parser = build_parser()

@@ -245,6 +245,16 @@ def own_launcher(pid: int | None = None) -> tuple[int, str, int] | None:
     return found
 
 
+def ignore_peer_exit_notices() -> None:
+    """A rank of ``tinytrain launch`` under hydra ignores SIGUSR1 outside the training loop. The agent
+    runs hydra with ``-disable-auto-cleanup`` (so that it can see which rank died first), and hydra
+    then tells the ranks with SIGUSR1 that a peer has exited, also one that simply finished first:
+    its default action would kill a rank that is still finishing (measured: 2 of 6 runs exited 10).
+    The training loop takes SIGUSR1 as "stop after this step" and restores this afterwards."""
+    if "TINYTRAIN_LAUNCH_ID" in os.environ and rank_and_size()[1] > 1:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def watch(every: float = 0.1) -> None:
     """Watch this rank's launcher from a daemon thread (idempotent; nothing to watch: no thread)."""
     global _watching

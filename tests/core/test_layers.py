@@ -25,6 +25,7 @@ LAYERS = [
     ("parallel", ["tinytrain.parallel"]),
     ("viz", ["tinytrain.viz"]),
     ("trainer", ["tinytrain.trainer", "tinytrain.sample", "tinytrain.bench", "tinytrain.planner", "tinytrain.doctor"]),
+    ("elastic", ["tinytrain.elastic"]),
     ("cli", ["tinytrain.cli"]),
 ]
 

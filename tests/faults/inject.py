@@ -16,6 +16,9 @@ get a signal?", an all-reduce over the world), on rank ``RANK`` at step ``STEP``
     spin     loop forever in pure Python
     slow     sleep SLOW seconds (default 6; an honest slow rank: the job must finish)
     compute  compute in NumPy for SLOW seconds (honest too)
+
+``ONCE=PATH``: the fault happens only in the first run that finds no file PATH (it creates it), so a
+restarted run (``tinytrain launch``) goes on; without it every run faults at its STEP-th vote.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def synchronous_send(buf, peer: int) -> None:
 
 def vote(self, value: int) -> int:
     _votes["n"] += 1
-    if _votes["n"] != STEP or self.rank not in (RANK, RANK + 1):
+    if _votes["n"] != STEP or self.rank not in (RANK, RANK + 1) or _done_once():
         return _real_vote(self, value)
     if FAULT == "sendsend":
         peer = RANK + 1 if self.rank == RANK else RANK
@@ -83,6 +86,24 @@ def vote(self, value: int) -> int:
         while time.monotonic() < end:
             a = a @ a / 256
     return _real_vote(self, value)
+
+
+def _done_once() -> bool:
+    """With ONCE: has an earlier run faulted already? (The faulting rank marks it, just before.)"""
+    once = os.environ.get("ONCE")
+    if not once:
+        return False
+    if os.path.exists(once):
+        return True
+    if _rank_of_this_process() == RANK:
+        open(once, "w").close()  # noqa: SIM115
+    return False
+
+
+def _rank_of_this_process() -> int:
+    from tinytrain import launcher
+
+    return launcher.rank_and_size()[0]
 
 
 runners.MeshRunner.vote = vote

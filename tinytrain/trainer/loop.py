@@ -183,6 +183,7 @@ def _train(args, out: Path) -> int:
         )
     progress = Progress(args.steps, quiet)
     tokens_per_step = args.batch_size * dataset.block_size
+    world, layout = launched_world()[1], plan_of(args).flags()
     saved_step = start_step
     with Interrupts(announce=runner.is_main) as interrupts:
         for step in range(start_step + 1, args.steps + 1):
@@ -192,6 +193,7 @@ def _train(args, out: Path) -> int:
             check_diverged(loss_value, step, model.config.vocab_size, args.lr)
             dt = time.perf_counter() - t0
             record = {"step": step, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_per_step / dt}
+            record.update(world=world, layout=layout, time=round(time.time(), 3))  # (an elastic run's layout changes)
             if grad_norm is not None:
                 record["grad_norm"] = grad_norm
             if scaler is not None:  # fp16: the loss scale this step used; an overflow skipped the update

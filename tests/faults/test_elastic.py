@@ -1,0 +1,173 @@
+"""Elastic training (``tinytrain launch``, ``tinytrain/elastic.py``): the agent's decisions, and runs
+that lose a rank and go on.
+
+* world size -> layout: dp shrinks to what the ranks left hold and the global batch splits over;
+  tp, pp, cp, ep stay, or the agent refuses naming the smallest world; hostfiles are read by slots;
+* kill -9 of one rank (rank 1, and rank 0, which writes metrics) of ``--dp 4`` mid-run: the agent
+  finishes on 3 ranks from the last checkpoint, every step once in metrics.json, the losses the
+  uninterrupted run's, the restart recorded with the rank that died and the seconds to the next step;
+* a fault in every run ends after ``--max-restarts``, saying so; a lost emulated node takes its
+  ranks; SIGTERM to the agent stops the run with a checkpoint and restarts nothing.
+
+The fault is injected by ``inject.py`` (``ONCE``: only the first run faults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from grader.run import mpi_environment
+from tinytrain import elastic
+from tinytrain.trainer.args import add_arguments
+
+HERE = Path(__file__).parent
+TRAIN = "--steps 12 --ckpt-every 5 --batch-size 12 --layers 1 --width 32 --heads 2 --eval-every 12 --quiet".split()
+
+
+def train_args(*flags: str):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+# --- the decisions ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "available, flags, dp",
+    [
+        (3, ["--batch-size", "12"], 3),
+        (3, ["--batch-size", "8"], 2),  # 8 rows do not split over 3 replicas: 2 keep the curve
+        (7, ["--batch-size", "16", "--tp", "2"], 2),  # 3 replicas of 2 fit 7 ranks, but 16 % 3
+        (5, ["--batch-size", "16", "--pp", "2"], 2),  # 2 replicas x 4 micro-batches (2 x pp) of 2 rows
+        (1, ["--batch-size", "7"], 1),
+    ],
+)
+def test_the_world_left_sets_dp_and_keeps_the_global_batch(available, flags, dp):
+    layout = elastic.layout_for(available, train_args(*flags))
+    assert layout.dp == dp and layout.world <= available
+
+
+def test_a_world_too_small_for_one_replica_names_the_smallest_that_would_do():
+    with pytest.raises(ValueError, match="3 ranks are left.*needs 4: the smallest world that would do is 4"):
+        elastic.layout_for(3, train_args("--tp", "2", "--pp", "2", "--batch-size", "8"))
+
+
+def test_hostfile_slots_in_either_format(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node1:4\nnode2:2  # comment\n\nnode3\n")
+    assert elastic.hostfile_slots(hosts) == 7
+    hosts.write_text("node1 slots=4\nnode2 slots=3\n")
+    assert elastic.hostfile_slots(hosts) == 7
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["-n", "4", "--min-ranks", "5", "--", *TRAIN], "--min-ranks 5 must be between 1 and -n 4"),
+        (["-n", "4", "--max-ranks", "2", "--", *TRAIN], "--max-ranks 2 is below -n 4"),
+        (["-n", "2", "--", *TRAIN, "--tp", "4"], "2 ranks are left.*needs 4"),
+        (["-n", "2", "--", *TRAIN, "--steps", "0"], "--steps must be positive"),
+    ],
+)
+def test_bad_launch_values_are_one_sentence(argv, says, capsys):
+    from tinytrain.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["launch", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    import re
+
+    assert re.search(says, err), err
+
+
+# --- runs that lose a rank ---------------------------------------------------------------------------
+
+
+def launch(tmp_path, name, *extra, fault=None, env=None, timeout=120):
+    """``tinytrain launch -n 4 ... -- --dp 4 TRAIN`` with ``inject.py`` as each rank's program."""
+    environ = dict(mpi_environment(), TINYTRAIN_DEVICE="cpu", TINYTRAIN_TIMEOUT="20")
+    environ.pop("TINYTRAIN_DEBUG", None)
+    environ.update(fault or {"FAULT": "none"})
+    environ.update(env or {})
+    out = tmp_path / name
+    argv = [sys.executable, "-m", "tinytrain.cli", "launch", "-n", "4", *extra]
+    argv += ["--entry", f"{sys.executable} {HERE / 'inject.py'}", "--", *TRAIN, "--dp", "4", "--out", str(out)]
+    start = time.monotonic()
+    r = subprocess.run(argv, env=environ, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    return r, out, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    r, out, _ = launch(tmp_path_factory.mktemp("whole"), "whole")
+    assert r.returncode == 0, r.stderr
+    return json.loads((out / "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_killed_rank_costs_only_the_steps_since_the_checkpoint(tmp_path, uninterrupted, rank):
+    fault = {"FAULT": "kill", "RANK": str(rank), "STEP": "8", "ONCE": str(tmp_path / "once")}
+    r, out, seconds = launch(tmp_path, "cut", fault=fault)
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    steps = metrics["steps"]
+    assert [s["step"] for s in steps] == list(range(1, 13)), "each step once, none lost"
+    np.testing.assert_allclose([s["loss"] for s in steps], [s["loss"] for s in uninterrupted["steps"]], atol=1e-5)
+    assert [s["world"] for s in steps] == [4] * 5 + [3] * 7, "steps 6-12 (after the checkpoint of step 5) on 3 ranks"
+    assert [s["layout"] for s in steps][-1] == "--dp 3"
+    (restart,) = metrics["restarts"]
+    assert restart["rank"] == rank and restart["lost_ranks"] == 1, restart
+    assert restart["first_step_after"] == 6 and 0 < restart["seconds_to_first_step"] < 30, restart
+    assert f"tinytrain launch: rank {rank} (pid {restart['pid']}) died; restarting" in r.stderr, r.stderr[-3000:]
+    assert seconds < 60, seconds
+
+
+def test_a_fault_in_every_run_stops_after_max_restarts(tmp_path):
+    r, out, seconds = launch(
+        tmp_path, "always", "--max-restarts", "2", fault={"FAULT": "kill", "RANK": "1", "STEP": "2"}
+    )
+    assert r.returncode != 0, r.stderr[-3000:]
+    assert "tinytrain launch: stopping: the run failed 3 times (--max-restarts 2)" in r.stderr, r.stderr[-3000:]
+    restarts = json.loads((out / "restarts.json").read_text())  # (no run reached a checkpoint: no metrics.json)
+    assert [x["world"] for x in restarts] == [4, 3, 2], restarts
+    assert seconds < 90, seconds
+
+
+def test_a_lost_emulated_node_takes_its_ranks(tmp_path, uninterrupted):
+    fault = {"FAULT": "kill", "RANK": "2", "STEP": "8", "ONCE": str(tmp_path / "once")}
+    r, out, _ = launch(tmp_path, "node", fault=fault, env={"TINYTRAIN_TOPOLOGY": "2x2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    (restart,) = metrics["restarts"]
+    assert restart["node"] == 1 and restart["lost_ranks"] == 2, restart
+    assert [s["world"] for s in metrics["steps"]][-1] == 2
+    np.testing.assert_allclose(
+        [s["loss"] for s in metrics["steps"]], [s["loss"] for s in uninterrupted["steps"]], atol=1e-5
+    )
+
+
+def test_sigterm_to_the_agent_stops_the_run_with_a_checkpoint_and_restarts_nothing(tmp_path):
+    environ = dict(mpi_environment(), TINYTRAIN_DEVICE="cpu", FAULT="slow", RANK="0", STEP="3", SLOW="6")
+    environ.pop("TINYTRAIN_DEBUG", None)
+    out = tmp_path / "stopped"
+    argv = [sys.executable, "-m", "tinytrain.cli", "launch", "-n", "2"]
+    argv += ["--entry", f"{sys.executable} {HERE / 'inject.py'}", "--", *TRAIN, "--dp", "2", "--out", str(out)]
+    agent = subprocess.Popen(argv, env=environ, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    time.sleep(5)  # the ranks start (2-3 s), then rank 0 sleeps 6 s in step 3's vote
+    agent.send_signal(signal.SIGTERM)
+    _, err = agent.communicate(timeout=60)
+    assert agent.returncode in elastic.STOPPED_BY_SIGNAL, err[-3000:]
+    assert "restarting" not in err, err[-3000:]
+    last = json.loads((out / "metrics.json").read_text())["steps"][-1]["step"]
+    assert last < 12 and f"stopped after step {last}, checkpoint written" in err, err[-3000:]
