@@ -291,7 +291,11 @@ class Agent:
                     grow = more
                     self.job.send_signal(signal.SIGUSR1)  # stop after a step, with a checkpoint
         code = self.job.wait()
-        time.sleep(0.05)  # the watcher's last look
+        if code < 0:  # mpirun itself died of a signal (Intel MPI's is a script that SIGUSR1 ends)
+            code = 128 - code
+        ranks_end = time.monotonic() + 60
+        while any(launcher.alive(pid) for pid in watcher.pids) and time.monotonic() < ranks_end:
+            time.sleep(0.05)  # a launcher may end before its ranks (they see it gone, and finish the step)
         watcher.stop()
         if grow is not None and code in STOPPED_BY_SIGNAL:
             return code, {"when": time.time(), "why": f"the hostfile offers {grow} ranks", "grow": True}
