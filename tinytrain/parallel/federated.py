@@ -4,7 +4,7 @@ C clients each hold their own shard of the training data, which no other client 
 rank) reads. N ranks simulate them, rank r hosting clients r·C/N … (r+1)·C/N − 1. One round::
 
     θ (the same on every rank)
-      │  the round's clients: a seeded draw of S = round(F·C) of the C (--participation F)
+      │  the round's clients: a seeded draw of m = round(F·C) of the C (--participation F)
       ▼
     rank r, for each of its selected clients c, one after the other:
         θ_c ← θ;  H local steps (--local-steps) of the loop's optimizer on batches of c's own data
@@ -133,12 +133,12 @@ class ClientData:
 
 
 def selected_count(clients: int, participation: float) -> int:
-    """S: the clients of a round, round(F·C), at least one."""
+    """m: the clients of a round, round(F·C), at least one."""
     return max(1, round(participation * clients))
 
 
 def select_clients(clients: int, participation: float, key) -> list[int]:
-    """The round's clients: S of the C drawn without replacement from ``key`` (the same on every rank), sorted."""
+    """The round's clients: m of the C drawn without replacement from ``key`` (the same on every rank), sorted."""
     rng = numpy.random.default_rng([*key, 7])
     return sorted(rng.choice(clients, size=selected_count(clients, participation), replace=False).tolist())
 
@@ -170,8 +170,8 @@ def encode(vector):
     if scaled.size and float(xp.abs(scaled).max()) >= 2.0**62:
         raise ValueError(
             f"secure aggregation: an update element of {float(xp.abs(scaled).max()) / 2**FRACTION_BITS:.3g} is too "
-            f"large for the fixed point of {FRACTION_BITS} fraction bits (at most 2^{61 - FRACTION_BITS}): "
-            "lower --lr or use --clip"
+            f"large for the fixed point of {FRACTION_BITS} fraction bits (below 2^{62 - FRACTION_BITS}, so that "
+            f"sums stay within 2^{63 - FRACTION_BITS}): lower --lr or use --clip"
         )
     return scaled.astype(xp.int64).view(xp.uint64)
 
@@ -266,7 +266,7 @@ def private_average(updates: list, max_norm: float, sigma: float, expected: int,
     clients with ``total_of`` (as in ``weighted_average``; each client counts once, whatever its
     samples: a weight would scale what one client can move), Gaussian noise of std σ·S drawn from
     ``rng`` (the server's: the same generator on every rank) added once to the sum, divided by
-    ``expected`` (the round's count of clients S, fixed: a count that depends on who took part
+    ``expected`` (the round's count of clients m, fixed: a count that depends on who took part
     would itself tell)."""
     # BEGIN SOLUTION 9.3 "Clip each update, sum over every rank's clients, perturb that sum once with the server's Gaussian draw (the same on every rank, its spread the multiplier times the bound), then divide by the round's fixed client count." full="total = total_of([clip_update(u, max_norm) for u in updates]); noise = rng.normal(0, sigma * max_norm, total.size) (host float64, then xp); return (total + noise) / expected."
     total = total_of([clip_update(u, max_norm) for u in updates])
@@ -278,8 +278,8 @@ def private_average(updates: list, max_norm: float, sigma: float, expected: int,
 def privacy_spent(rounds: int, sampling: float, sigma: float, delta: float) -> float:
     """ε at ``delta`` after ``rounds`` rounds, each sampling clients with probability ``sampling``
     and adding Gaussian noise of ``sigma`` times the clip bound: Google's ``dp-accounting`` RDP
-    accountant, the rounds' selections taken as Poisson sampling with q = S/C (the analysis
-    DP-FedAvg gives; tinytrain draws exactly S, the usual stand-in)."""
+    accountant, the rounds' selections taken as Poisson sampling with q = m/C (the analysis
+    DP-FedAvg gives; tinytrain draws exactly m, the usual stand-in)."""
     try:
         import dp_accounting
         from dp_accounting import rdp
@@ -333,6 +333,10 @@ class FedAvg(Wrapper):
         self.noise, self.clip, self.delta = noise, clip, delta  # clip set: DP-FedAvg (noise 0: clipping alone)
         self.per_client = batch_size // selected_count(data.clients, participation)
         self.rank, self.ranks = dist.get_rank(group), dist.get_world_size(group)
+        if data.clients % self.ranks:
+            raise ValueError(
+                f"{data.clients} clients do not split over {self.ranks} ranks: use a multiple of {self.ranks}"
+            )
         self.hosted = hosted_clients(self.rank, self.ranks, data.clients)
         broadcast_parameters(module, group=group)
         self.params = trainable(module)
