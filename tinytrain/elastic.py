@@ -357,7 +357,8 @@ class Agent:
         if (self.out / "loss.png").exists():
             from tinytrain.viz import plot_loss_curve
 
-            checkpoint.atomic_write(self.out / "loss.png", lambda f: plot_loss_curve(metrics, f, title="elastic run"))
+            title = f"elastic run: {len(self.restarts)} restart(s)"
+            checkpoint.atomic_write(self.out / "loss.png", lambda f: plot_loss_curve(metrics, f, title=title))
 
 
 def _emulated():

@@ -33,6 +33,12 @@ def plot_loss_curve(metrics: dict, path, title: str | None = None) -> None:
     val = [s for s in steps if "val_loss" in s]
     if val:
         ax.plot([s["step"] for s in val], [s["val_loss"] for s in val], "o-", ms=3, label="validation")
+    for i, restart in enumerate(r for r in metrics.get("restarts", []) if "first_step_after" in r):
+        world = next((s["world"] for s in steps if s["step"] == restart["first_step_after"] and "world" in s), "?")
+        ax.axvline(restart["first_step_after"] - 0.5, color="gray", ls="--", lw=1,
+                   label="restart (tinytrain launch)" if i == 0 else None)  # fmt: skip
+        ax.annotate(f"{world} ranks", (restart["first_step_after"], 1), xycoords=("data", "axes fraction"),
+                    xytext=(3, -12), textcoords="offset points", fontsize=7, color="gray")  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_yscale("log")

@@ -131,6 +131,7 @@ def test_a_killed_rank_costs_only_the_steps_since_the_checkpoint(tmp_path, unint
     assert restart["first_step_after"] == 6 and 0 < restart["seconds_to_first_step"] < 30, restart
     assert f"tinytrain launch: rank {rank} (pid {restart['pid']}) died; restarting" in r.stderr, r.stderr[-3000:]
     assert seconds < 60, seconds
+    assert (out / "loss.png").stat().st_mtime >= (out / "metrics.json").stat().st_mtime - 1  # redrawn, marked
 
 
 def test_a_fault_in_every_run_stops_after_max_restarts(tmp_path):
