@@ -253,6 +253,28 @@ def test_iid_shards_are_equal_disjoint_and_skew_concentrates_labels():
     ]
 
 
+def test_a_text_splits_by_the_first_character_of_its_windows(tmp_path):
+    from tinytrain.data import CharDataset
+
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    dataset = CharDataset(str(text), block_size=16)
+    keys, labels = dataset.examples()
+    x, y = dataset.rows(keys[:5])
+    train = dataset.splits["train"]
+    assert x.shape == (5, 16) and (x[:, 0] == labels[:5]).all() and (y[:, :-1] == x[:, 1:]).all()
+    assert np.array_equal(x[3], train[keys[3] : keys[3] + 16])
+    data = ClientData(dataset, 4, "skew:0.1", seed=2)
+    spread = {
+        scheme: ClientData(dataset, 4, scheme, seed=2).label_shares().std(axis=0).mean()
+        for scheme in ("iid", "skew:0.1")
+    }
+    assert spread["skew:0.1"] > 3 * spread["iid"], spread  # the clients' characters differ
+    bx, by = data.batch(1, 6, (0, 1))
+    starts = {int(k) for k in data.keys[data.shards[1]]}
+    assert all(any(np.array_equal(row, train[s : s + 16]) for s in starts) for row in bx)
+
+
 def test_a_round_draws_its_share_of_clients_from_the_seed():
     rounds = [select_clients(16, 0.25, (3, step)) for step in range(1, 6)]
     assert all(len(r) == 4 and r == sorted(set(r)) for r in rounds)
