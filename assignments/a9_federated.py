@@ -14,9 +14,9 @@ rank) reads. N ranks simulate them, rank r hosting clients r·C/N … (r+1)·C/N
         θ_c ← θ;  H local steps (--local-steps) of the loop's optimizer on batches of c's own data
         Δ_c = θ − θ_c                  how far client c moved; n_c = the samples c holds
       │
-      │  one all-reduce (sum) of [n_c·Δ_c, n_c] summed over each rank's clients   ◄── the only
+      │  one all-reduce (sum) over the ranks                                         ◄── the only
       ▼                                                                               communication
-    every rank: θ ← θ − Σ n_c·Δ_c / Σ n_c      the server's FedAvg step (McMahan et al. 2017)
+    every rank: θ ← θ − Δ, Δ the samples-weighted mean of the Δ_c   the server's FedAvg step (McMahan et al. 2017)
 
 The "server" is every rank at once: the sum arrives everywhere, so every rank takes the same
 step and no parameters are sent back. What would travel in a real deployment is each selected
@@ -194,7 +194,7 @@ def pairwise_mask(client: int, selected: list[int], key, size: int):
     """Client ``client``'s mask in a round whose clients are ``selected`` and whose seed is ``key``
     (a tuple of integers: the run's seed and the round), as uint64 modulo 2^64: the masks of all the
     round's clients add up to zero, and each pair's part is a function of the key and the pair alone."""
-    raise NotImplementedError("TODO 9.2: Every pair of the round's clients shares one pseudo-random sequence that depends on the round and on the pair alone (not on its order, nor on anyone else in the round); one member of the pair adds it, its partner subtracts it, so the round's masks sum to zero modulo 2^64.")
+    raise NotImplementedError("TODO 9.2: This client's share of the round's masking: masks that only the round's clients could have made, that hide each upload, and that vanish from the sum of the round's uploads, whichever rank computes them.")
 
 
 def secure_sum(vectors: dict, selected: list[int], key, size: int, group=None, dropped=()):
@@ -230,7 +230,7 @@ def weighted_average(updates: list, counts: list[int], total_of):
     ``total_of(vectors)`` returns the sum of float64 vectors over every rank's clients (it is
     ``plain_sum`` or ``secure_sum`` bound to the round; every rank calls it once, with no vector
     if it hosts no client of the round). No sample anywhere: zeros (θ stays)."""
-    raise NotImplementedError("TODO 9.1: Every client's update counts in proportion to its samples, over all ranks' clients, with the denominator summed across ranks as the numerator is (in one sum); a round without any sample leaves the parameters where they were.")
+    raise NotImplementedError("TODO 9.1: FedAvg's average of the round's updates over every rank's clients, each counting as much as the samples behind it, the same on every rank; a round without any sample leaves the parameters where they were.")
 
 
 def clip_update(delta, max_norm: float):
@@ -245,7 +245,7 @@ def private_average(updates: list, max_norm: float, sigma: float, expected: int,
     ``rng`` (the server's: the same generator on every rank) added once to the sum, divided by
     ``expected`` (the round's count of clients m, fixed: a count that depends on who took part
     would itself tell)."""
-    raise NotImplementedError("TODO 9.3: Clip each update, sum over every rank's clients, perturb that sum once with the server's Gaussian draw (the same on every rank, its spread the multiplier times the bound), then divide by the round's fixed client count.")
+    raise NotImplementedError("TODO 9.3: DP-FedAvg's release of the round, as the paper defines it: what any one client can move is bounded, the server's noise is drawn once and is the same on every rank.")
 
 
 def privacy_spent(rounds: int, sampling: float, sigma: float, delta: float) -> float:
@@ -416,7 +416,7 @@ class FedAvg(Wrapper):
             def total_of(vectors):
                 return plain_sum(vectors, size, self.group)
 
-        size = self.size + (self.clip is None)  # the sample count travels with FedAvg's weighted sum
+        size = self.size + (self.clip is None)  # (what weighted_average's contract gives total_of)
         if self.clip is not None:
             rng = numpy.random.default_rng([*key, zlib.crc32(b"server noise")])
             return private_average(updates, self.clip, self.noise, len(self.selected), rng, total_of)
