@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -277,7 +278,8 @@ class Agent:
         print(f"tinytrain launch: {layout.world} ranks, --dp {layout.dp}: {' '.join(cmd)}", file=sys.stderr)
         watcher = RankWatcher(launch_id)
         started, self.ended_it = time.time(), False
-        self.job = subprocess.Popen(cmd, env=env)
+        self.job = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+        named = _NamedDeaths(self.job.stderr)
         grow = None
         while self.job.poll() is None:
             time.sleep(0.05)
@@ -302,8 +304,14 @@ class Agent:
         if code in (0, 2, *STOPPED_BY_SIGNAL):
             return code, {}
         fault = {"when": time.time(), "started": started, "exit_code": code, "world": layout.world}
-        if (killed(code) or self.ended_it) and watcher.first_lost is not None:
-            rank, pid, when = watcher.first_lost
+        named.thread.join(timeout=5)
+        if (killed(code) or self.ended_it) and (named.first or watcher.first_lost) is not None:
+            rank, pid, when = watcher.first_lost or (*named.first, time.time())
+            if named.first is not None and named.first[0] != rank:
+                # the survivors saw which process was gone (tinytrain's watchdog, by the start line's
+                # pids); the watcher's order can tie when the machine is loaded and its looks come late
+                rank, pid = named.first
+                when = next((t for r, t in watcher.gone.values() if r == rank), when)
             node = _node_of(rank, layout.world)
             fault.update(when=when, rank=rank, pid=pid)
             if node is not None:
@@ -359,6 +367,30 @@ class Agent:
 
             title = f"elastic run: {len(self.restarts)} restart(s)"
             checkpoint.atomic_write(self.out / "loss.png", lambda f: plot_loss_curve(metrics, f, title=title))
+
+
+class _NamedDeaths:
+    """The job's stderr, passed on to ours line by line, and the first rank its survivors name as
+    dead ("tinytrain: rank 1 (pid 9760 on vm) has died"), as (rank, pid)."""
+
+    PATTERN = re.compile(rb"rank (\d+) \(pid (\d+) on \S+\) has died")
+
+    def __init__(self, stream):
+        self.first: tuple[int, int] | None = None
+        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream) -> None:
+        out = getattr(sys.stderr, "buffer", None)
+        for line in iter(stream.readline, b""):
+            if out is not None:
+                out.write(line)
+                out.flush()
+            else:
+                sys.stderr.write(line.decode(errors="replace"))
+            found = self.PATTERN.search(line)
+            if found and self.first is None:
+                self.first = (int(found[1]), int(found[2]))
 
 
 def _emulated():
