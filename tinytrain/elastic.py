@@ -68,10 +68,12 @@ def killed(code: int) -> bool:
 
 @dataclass(frozen=True)
 class Layout:
-    """The ranks one launch uses: ``dp`` replicas of the fixed ``tp × pp × cp × ep``."""
+    """The ranks one launch uses: ``dp`` replicas of the fixed ``tp × pp × cp × ep``, each pipeline
+    replica cutting its rows into ``microbatches`` (1 without a pipeline)."""
 
     dp: int
     fixed: int
+    microbatches: int = 1
 
     @property
     def world(self) -> int:
@@ -83,22 +85,60 @@ def fixed_ranks(train_args) -> int:
     return train_args.tp * train_args.pp * train_args.cp * train_args.ep
 
 
+def launch_microbatches(train_args) -> int:
+    """The micro-batches a replica of the launch's own layout cuts its rows into."""
+    return (train_args.microbatches or 2 * train_args.pp) if train_args.pp > 1 else 1
+
+
+def schedule_takes(train_args, microbatches: int) -> bool:
+    """Can the run's pipeline schedule play ``microbatches`` (interleaved 1F1B needs a multiple of --pp)?"""
+    from tinytrain.parallel.pipeline.schedules import make_schedule
+
+    try:
+        make_schedule(train_args.schedule, train_args.pp, microbatches, train_args.chunks)
+    except ValueError:
+        return False
+    return True
+
+
 def layout_for(available: int, train_args) -> Layout:
-    """The most replicas ``available`` ranks hold whose shards split the global batch (each
-    replica and expert-parallel rank its rows, a pipeline's into its micro-batches)."""
+    """The layout ``available`` ranks run the same training on (task 10.1).
+
+    One replica is ``fixed_ranks(train_args)`` ranks, which never change. The global batch
+    (``--batch-size``) never changes either, so every step of any layout trains on the same rows and
+    the loss curve is the launch's. Of the layouts that keep both, the one with the most replicas
+    that fit; a pipeline's replica then cuts its rows into the fewest micro-batches that its schedule
+    plays (``schedule_takes``) and that hold no more rows each than a micro-batch of the launch's
+    layout (``--dp``, ``launch_microbatches``): a replica given more rows runs more micro-batches,
+    not bigger ones. Without a pipeline a replica takes all its rows at once (``microbatches`` 1).
+
+    Refused (``ValueError``, one sentence): fewer ranks than one replica (naming the smallest world
+    that would do), or a batch that no count of replicas splits.
+    """
     fixed = fixed_ranks(train_args)
     if available < fixed:
         raise ValueError(
             f"{available} ranks are left, and one replica of this layout (--tp {train_args.tp} --pp {train_args.pp} "
             f"--cp {train_args.cp} --ep {train_args.ep}) needs {fixed}: the smallest world that would do is {fixed}"
         )
-    micro = (train_args.microbatches or 2 * train_args.pp) if train_args.pp > 1 else 1
+    # BEGIN SOLUTION 10.1 "The most replicas whose shards split the global batch; a pipeline replica's fewest micro-batches of at most the launch's rows that its schedule plays." full="For dp from available // fixed down to 1: shards = dp·ep must divide the batch; without a pipeline that is the layout; with one, rows = batch // shards, and the first m (1, 2, ...) dividing rows with rows // m at most the launch's batch // (dp·ep·m0) and schedule_takes(m)."
+    most_rows = train_args.batch_size // (train_args.dp * train_args.ep * launch_microbatches(train_args))
     for dp in range(available // fixed, 0, -1):
-        if train_args.batch_size % (dp * train_args.ep * micro) == 0:
+        shards = dp * train_args.ep
+        if train_args.batch_size % shards:
+            continue
+        if train_args.pp == 1:
             return Layout(dp, fixed)
+        rows = train_args.batch_size // shards
+        for microbatches in range(1, rows + 1):
+            fits = rows % microbatches == 0 and rows // microbatches <= most_rows
+            if fits and schedule_takes(train_args, microbatches):
+                return Layout(dp, fixed, microbatches)
+    # END SOLUTION
     raise ValueError(
-        f"--batch-size {train_args.batch_size} splits over no count of replicas with --ep {train_args.ep} and "
-        f"{micro} micro-batches: use a multiple of {train_args.ep * micro}"
+        f"--batch-size {train_args.batch_size} splits over no count of replicas with --ep {train_args.ep}"
+        + (f" and --schedule {train_args.schedule}" if train_args.pp > 1 else "")
+        + f": use a multiple of {train_args.ep * launch_microbatches(train_args)}"
     )
 
 
@@ -194,6 +234,8 @@ class Agent:
         add_arguments(parser)
         self.train_args = parser.parse_args(self.train_argv)
         check_args(self.train_args, topology=False)  # (an emulated cluster must fit -n, not this process)
+        if "--dp" not in self.train_argv:  # the launch's layout, which layout_for keeps a micro-batch of
+            self.train_args.dp = max(1, self.ranks // fixed_ranks(self.train_args))
         emulated = _emulated()
         if emulated is not None:
             emulated.check_world(self.ranks)
@@ -220,6 +262,10 @@ class Agent:
         if "--dp" in argv:
             del argv[argv.index("--dp") : argv.index("--dp") + 2]
         argv += ["--dp", str(layout.dp)]
+        if self.train_args.pp > 1:  # a replica given more rows cuts them into more micro-batches
+            if "--microbatches" in argv:
+                del argv[argv.index("--microbatches") : argv.index("--microbatches") + 2]
+            argv += ["--microbatches", str(layout.microbatches)]
         if (self.out / "ckpt").exists() and "--resume" not in argv:
             argv.append("--resume")
         launch = launcher.mpirun_command(layout.world, hostfile=self.hostfile)

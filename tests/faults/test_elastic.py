@@ -43,18 +43,49 @@ def train_args(*flags: str):
 
 
 @pytest.mark.parametrize(
-    "available, flags, dp",
+    "available, flags, dp, microbatches",
     [
-        (3, ["--batch-size", "12"], 3),
-        (3, ["--batch-size", "8"], 2),  # 8 rows do not split over 3 replicas: 2 keep the curve
-        (7, ["--batch-size", "16", "--tp", "2"], 2),  # 3 replicas of 2 fit 7 ranks, but 16 % 3
-        (5, ["--batch-size", "16", "--pp", "2"], 2),  # 2 replicas x 4 micro-batches (2 x pp) of 2 rows
-        (1, ["--batch-size", "7"], 1),
+        (3, ["--batch-size", "12"], 3, 1),
+        (3, ["--batch-size", "8"], 2, 1),  # 8 rows do not split over 3 replicas: 2 keep the curve
+        (7, ["--batch-size", "16", "--tp", "2"], 2, 1),  # 3 replicas of 2 fit 7 ranks, but 16 % 3
+        (5, ["--batch-size", "16", "--pp", "2", "--dp", "2"], 2, 4),  # 2 replicas x 4 micro-batches (2 x pp) of 2
+        (1, ["--batch-size", "7"], 1, 1),
+        # a pipeline replica given more rows runs more micro-batches of the launch's size (2 rows), not bigger ones
+        (3, ["--batch-size", "8", "--pp", "2", "--dp", "2", "--microbatches", "2"], 1, 4),
+        # 12 rows a replica in micro-batches of at most 4: 3 of them, but interleaved 1F1B plays multiples of pp
+        (4, ["--batch-size", "24", "--pp", "2", "--dp", "3", "--microbatches", "2"], 2, 3),
+        (
+            4,
+            [
+                "--batch-size",
+                "24",
+                "--pp",
+                "2",
+                "--dp",
+                "3",
+                "--microbatches",
+                "2",
+                "--schedule",
+                "interleaved",
+                "--chunks",
+                "2",
+            ],
+            2,
+            4,
+        ),  # fmt: skip
+        # growing: 4 rows a replica where a micro-batch held 2 at the launch
+        (4, ["--batch-size", "8", "--pp", "2", "--dp", "1", "--microbatches", "4"], 2, 2),
+        # 4 rows a replica, at most 3 a micro-batch (the launch's): 2 of 2, since 3 does not divide 4
+        (6, ["--batch-size", "12", "--pp", "2", "--dp", "1", "--microbatches", "4"], 3, 2),
+        (2, ["--batch-size", "8", "--ep", "2"], 1, 1),
     ],
 )
-def test_the_world_left_sets_dp_and_keeps_the_global_batch(available, flags, dp):
+def test_the_world_left_sets_dp_and_keeps_the_global_batch(available, flags, dp, microbatches):
     layout = elastic.layout_for(available, train_args(*flags))
-    assert layout.dp == dp and layout.world <= available
+    assert (layout.dp, layout.microbatches) == (dp, microbatches) and layout.world <= available
+    args = train_args(*flags)
+    pipeline = layout.microbatches if args.pp > 1 else 1
+    assert args.batch_size % (layout.dp * args.ep * pipeline) == 0, "the global batch splits evenly"
 
 
 def test_a_world_too_small_for_one_replica_names_the_smallest_that_would_do():

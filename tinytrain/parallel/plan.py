@@ -90,6 +90,7 @@ class Plan:
         """The command-line flags of this plan, for messages."""
         sizes = (("dp", self.dp), ("pp", self.pp), ("ep", self.ep), ("cp", self.cp), ("tp", self.tp))
         parts = [f"--{k} {v}" for k, v in sizes if v > 1]
+        parts += [f"--microbatches {self.microbatches}"] if self.pp > 1 and self.microbatches else []
         parts += ["--sp"] if self.sp else []
         parts += [f"--zero {self.zero}"] if self.zero else []
         return " ".join(parts) or "(serial)"
