@@ -22,6 +22,12 @@ fsync, rename); after a barrier, rank 0 checks that every rank's index is there 
 still names the previous complete folder. Then older folders are removed, and so are temporary
 files that killed runs left behind. No pickle: arrays and JSON.
 
+Asynchronous (``--ckpt-async``): at the step's end each rank copies its pieces to host memory (the
+snapshot, the only part training waits for) and a :class:`BackgroundWrite` thread writes them while
+the next steps run. The manifest is replaced only once every rank's write has finished, as the
+ranks agree at a later step's end; a rank killed during the background write leaves the manifest
+naming the previous checkpoint, whole. One write at a time: the next save waits for the last.
+
 Every file tinytrain writes (checkpoint pieces, ``metrics.json``, figures) goes through
 :func:`atomic_write`: a reader sees the old file or the new one, never half of one, and every file
 gets the same permissions (``0666`` minus the umask, as ``open()`` would give). A save that fails
@@ -36,6 +42,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import zipfile
 import zlib
 from contextlib import contextmanager
@@ -178,6 +185,31 @@ def write_pieces(folder, step: int, rank: int, pieces: list[tuple[Piece, object]
         target.mkdir(parents=True, exist_ok=True)
         atomic_write(target / f"rank-{rank:05d}.npz", lambda f: numpy.savez(f, **arrays))
         atomic_write(target / f"rank-{rank:05d}.json", lambda f: f.write(json.dumps(index).encode()))
+
+
+class BackgroundWrite:
+    """``write_pieces`` on a thread: the arrays are this rank's own host copies, which training no
+    longer touches. ``finished`` once the files are on disk (or failed: ``error``)."""
+
+    def __init__(self, folder, step: int, rank: int, pieces: list[tuple[Piece, object]], scalars: dict):
+        self.step, self.error = step, None
+        self.thread = threading.Thread(
+            target=self._write, args=(folder, step, rank, pieces, scalars), name=f"checkpoint {step}", daemon=True
+        )  # daemon: a run that fails meanwhile exits without it, and the manifest keeps the previous checkpoint
+        self.thread.start()
+
+    def _write(self, folder, step, rank, pieces, scalars) -> None:
+        try:
+            write_pieces(folder, step, rank, pieces, scalars)
+        except BaseException as error:  # raised in the training thread, where the ranks agree on the save
+            self.error = error
+
+    @property
+    def finished(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> None:
+        self.thread.join()
 
 
 class _saving:

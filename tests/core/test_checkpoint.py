@@ -145,3 +145,73 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_says_why(tmp_path, monk
     monkeypatch.undo()
     assert checkpoint.Reader(tmp_path).meta["step"] == 3
     assert not list(tmp_path.rglob("*.tmp"))  # the failed write removed its temporary
+
+
+# --- --ckpt-async: the pieces on a thread, the manifest once they are on disk ----------------------
+
+
+def slowed_writes(monkeypatch):
+    """``write_pieces`` that waits for the test's go-ahead (a slow disk), and how to give it."""
+    import threading
+
+    go = threading.Event()
+    real = checkpoint.write_pieces
+
+    def slow(*args, **kwargs):
+        assert go.wait(30), "the test never let the write go on"
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write_pieces", slow)
+    return go
+
+
+def test_a_background_save_copies_the_state_at_once_and_commits_only_once_written(tmp_path, monkeypatch):
+    from tinytrain.trainer.runners import SerialRunner
+
+    model, opt = trained(3)
+    runner = SerialRunner(model)
+    runner.save(tmp_path, 1, opt, {"step": 1})  # synchronous: committed on return
+    go = slowed_writes(monkeypatch)
+    before = {name: to_host(p.data).copy() for name, p in model.named_parameters()}
+    runner.save(tmp_path, 2, opt, {"step": 2}, background=True)  # returns while the write waits
+    for p in model.parameters():  # training goes on and changes the parameters in place
+        p.data[...] = p.data + 1
+    assert runner.settle_save() is None, "the write is not on disk: no manifest for it yet"
+    assert checkpoint.Reader(tmp_path).meta["step"] == 1, "the previous checkpoint stays the manifest's"
+    go.set()
+    assert runner.settle_save(wait=True) == 2
+    reader = checkpoint.Reader(tmp_path)
+    assert reader.meta["step"] == 2 and reader.meta["layout"] == "(serial)"
+    for name, value in before.items():  # the snapshot of save time, not the parameters of later steps
+        numpy.testing.assert_array_equal(reader.read(name), value, err_msg=name)
+    assert sorted(os.listdir(tmp_path)) == [checkpoint.MANIFEST, "step-000000002"]
+
+
+def test_a_save_waits_for_the_background_one_before_it(tmp_path, monkeypatch):
+    from tinytrain.trainer.runners import SerialRunner
+
+    model, opt = trained(4)
+    runner = SerialRunner(model)
+    go = slowed_writes(monkeypatch)
+    runner.save(tmp_path, 5, opt, {"step": 5}, background=True)
+    go.set()
+    runner.save(tmp_path, 6, opt, {"step": 6})  # one write at a time: 5 is committed first, then 6
+    assert checkpoint.Reader(tmp_path).meta["step"] == 6 and runner.pending is None
+
+
+def test_a_failed_background_write_is_the_checkpoint_error_at_the_next_step(tmp_path, monkeypatch):
+    from tinytrain.trainer.runners import SerialRunner
+
+    model, opt = trained(5)
+    runner = SerialRunner(model)
+    runner.save(tmp_path, 3, opt, {"step": 3})
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.numpy, "savez", full)
+    runner.save(tmp_path, 4, opt, {"step": 4}, background=True)
+    with pytest.raises(checkpoint.CheckpointError, match=r"step 4 .*No space left on device.*previous checkpoint"):
+        runner.settle_save(wait=True)
+    monkeypatch.undo()
+    assert checkpoint.Reader(tmp_path).meta["step"] == 3 and runner.pending is None

@@ -121,6 +121,38 @@ def test_resume_after_a_crash_is_exact(tmp_path, monkeypatch, extra):
     assert_same_run(straight, crashed, ms, mr)
 
 
+def test_an_asynchronous_checkpoint_resumes_exactly_once_a_later_step_committed_it(tmp_path, monkeypatch):
+    """--ckpt-async: the checkpoint of step 3 is written while step 4 runs and named in the manifest
+    at step 4's end; a crash in step 5 resumes from it, equal to the uninterrupted (synchronous) run.
+    (The write is made to finish before step 4 does, as it would on a fast disk: when a commit happens
+    while the writes are slower is ``test_checkpoint``'s business.)"""
+
+    class FinishedWrite(checkpoint.BackgroundWrite):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.wait()
+
+    monkeypatch.setattr(checkpoint, "BackgroundWrite", FinishedWrite)
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    common = ["--steps", "6", "--ckpt-every", "3", "--no-plot", "--dropout", "0.1"]
+    ms = train(straight, *common)
+    real_batch = AdditionDataset.batch
+
+    def dies_at_step_5(self, split, batch_size, seed, step):
+        if split == "train" and step == 5:
+            raise KeyboardInterrupt("simulated crash at step 5")
+        return real_batch(self, split, batch_size, seed, step)
+
+    monkeypatch.setattr(AdditionDataset, "batch", dies_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(crashed, *common, "--ckpt-async")
+    monkeypatch.setattr(AdditionDataset, "batch", real_batch)
+    reader = checkpoint.Reader(crashed / "ckpt")
+    assert reader.meta["step"] == 3 and len(reader.meta["metrics_steps"]) == 3, "the steps up to its own, no later"
+    mr = train(crashed, *common, "--resume", "--ckpt-async")
+    assert_same_run(straight, crashed, ms, mr)
+
+
 @pytest.mark.parametrize("dropout", ["0.0", "0.1"])
 def test_resume_extends_a_shorter_run_exactly(tmp_path, dropout):
     """--steps 3, then --resume --steps 6, equals --steps 6 straight. The LR schedule spans

@@ -267,3 +267,26 @@ def test_reduce_scatter_is_read_against_all_gather_for_ours_and_for_mpi():
     assert bench.reduce_scatter_vs_all_gather(rows) == [
         "# reduce_scatter / all_gather busbw at 16M: ours 0.50, MPI's 0.67"
     ]
+
+
+def test_bench_checkpoint_times_each_mode_against_the_step_alone_and_writes_twelve_bytes_a_parameter(tmp_path):
+    """The three modes train the same numbers (the bench refuses otherwise); a checkpoint of AdamW's
+    run holds 4 bytes of weight and 8 of moments per parameter (12Ψ), plus its indexes."""
+    from tinytrain import distributed as dist
+    from tinytrain.bench import checkpoint as bench
+    from tinytrain.bench.step import CONFIGS
+    from tinytrain.nn import GPT, GPTConfig
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    out = tmp_path / "rows.json"
+    folder = tmp_path / "ckpt" if world == 1 else None  # under mpirun: the bench names one folder for all
+    args = bench.parse(["--configs", "default", "--rounds", "1", "--block", "2", "--json", str(out)])
+    args.out = str(folder) if folder else None
+    assert bench.run(args) == 0
+    if world > 1 and dist.get_rank() != 0:
+        return
+    (row,) = json.loads(out.read_text())["rows"]
+    psi = GPT(GPTConfig(**CONFIGS["default"]["model"]), seed=0).num_parameters()
+    assert row["world"] == world and 12 * psi <= row["bytes"] <= 12 * psi + 64 * 1024, (row["bytes"], 12 * psi)
+    for mode in ("sync", "async"):
+        assert row[mode]["ratio"] > 0 and row[mode]["wait_ms"] >= 0, row

@@ -17,8 +17,17 @@ get a signal?", an all-reduce over the world), on rank ``RANK`` at step ``STEP``
     slow     sleep SLOW seconds (default 6; an honest slow rank: the job must finish)
     compute  compute in NumPy for SLOW seconds (honest too)
 
+and one fault in the checkpoint write instead of the vote:
+
+    killwrite  SIGKILL this rank while it writes its pieces of the checkpoint of step STEP, half a
+               file on disk (with --ckpt-async: in the background thread, while training goes on)
+
+``LOAD_FAULT=R`` (with ``LOAD_ONCE=PATH``), besides any of those: SIGKILL rank R while it loads the
+checkpoint in the first run that resumes from one (a fault during a restart).
+
 ``ONCE=PATH``: the fault happens only in the first run that finds no file PATH (it creates it), so a
 restarted run (``tinytrain launch``) goes on; without it every run faults at its STEP-th vote.
+``TIMES=N`` with it: the first N runs fault (each at its own STEP-th vote), the others go on.
 """
 
 from __future__ import annotations
@@ -27,9 +36,11 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy
 
+from tinytrain import checkpoint
 from tinytrain.cli import main
 from tinytrain.trainer import runners
 
@@ -54,7 +65,7 @@ def synchronous_send(buf, peer: int) -> None:
 
 def vote(self, value: int) -> int:
     _votes["n"] += 1
-    if _votes["n"] != STEP or self.rank not in (RANK, RANK + 1) or _done_once():
+    if FAULT == "killwrite" or _votes["n"] != STEP or self.rank not in (RANK, RANK + 1) or _done_once():
         return _real_vote(self, value)
     if FAULT == "sendsend":
         peer = RANK + 1 if self.rank == RANK else RANK
@@ -89,14 +100,17 @@ def vote(self, value: int) -> int:
 
 
 def _done_once() -> bool:
-    """With ONCE: has an earlier run faulted already? (The faulting rank marks it, just before.)"""
+    """With ONCE: have earlier runs faulted TIMES times already (default 1)? The faulting rank marks
+    each fault in the file PATH, just before it."""
     once = os.environ.get("ONCE")
     if not once:
         return False
-    if os.path.exists(once):
+    faults = Path(once).read_text().count("x") if os.path.exists(once) else 0
+    if faults >= int(os.environ.get("TIMES", "1")):
         return True
     if _rank_of_this_process() == RANK:
-        open(once, "w").close()  # noqa: SIM115
+        with open(once, "a") as marks:
+            marks.write("x")
     return False
 
 
@@ -106,5 +120,31 @@ def _rank_of_this_process() -> int:
     return launcher.rank_and_size()[0]
 
 
+_real_write = checkpoint.write_pieces
+
+
+def write_pieces(folder, step, rank, pieces, scalars):
+    if FAULT != "killwrite" or step != STEP or rank != RANK or _done_once():
+        return _real_write(folder, step, rank, pieces, scalars)
+    target = Path(folder) / checkpoint.step_folder(step)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / f"rank-{rank:05d}.npz").write_bytes(b"PK\x03\x04 half a file")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_real_load = runners.MeshRunner.load
+
+
+def load(self, reader, optimizer):
+    once = os.environ.get("LOAD_ONCE")
+    if self.rank == int(os.environ.get("LOAD_FAULT", "-1")) and not (once and os.path.exists(once)):
+        if once:
+            open(once, "w").close()  # noqa: SIM115
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _real_load(self, reader, optimizer)
+
+
 runners.MeshRunner.vote = vote
+runners.MeshRunner.load = load
+checkpoint.write_pieces = write_pieces
 sys.exit(main())

@@ -125,15 +125,16 @@ def test_bad_launch_values_are_one_sentence(argv, says, capsys):
 # --- runs that lose a rank ---------------------------------------------------------------------------
 
 
-def launch(tmp_path, name, *extra, fault=None, env=None, timeout=120):
-    """``tinytrain launch -n 4 ... -- --dp 4 TRAIN`` with ``inject.py`` as each rank's program."""
+def launch(tmp_path, name, *extra, fault=None, env=None, timeout=120, layout=("--dp", "4")):
+    """``tinytrain launch -n 4 ... -- TRAIN --dp 4`` (or ``layout``'s flags) with ``inject.py`` as each
+    rank's program."""
     environ = dict(mpi_environment(), TINYTRAIN_DEVICE="cpu", TINYTRAIN_TIMEOUT="20")
     environ.pop("TINYTRAIN_DEBUG", None)
     environ.update(fault or {"FAULT": "none"})
     environ.update(env or {})
     out = tmp_path / name
     argv = [sys.executable, "-m", "tinytrain.cli", "launch", "-n", "4", *extra]
-    argv += ["--entry", f"{sys.executable} {HERE / 'inject.py'}", "--", *TRAIN, "--dp", "4", "--out", str(out)]
+    argv += ["--entry", f"{sys.executable} {HERE / 'inject.py'}", "--", *TRAIN, *layout, "--out", str(out)]
     start = time.monotonic()
     r = subprocess.run(argv, env=environ, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
     todo = next((line for line in r.stderr.splitlines() if "NotImplementedError: TODO" in line), None)
@@ -166,6 +167,60 @@ def test_a_killed_rank_costs_only_the_steps_since_the_checkpoint(tmp_path, unint
     assert f"tinytrain launch: rank {rank} (pid {restart['pid']}) died; restarting" in r.stderr, r.stderr[-3000:]
     assert seconds < 60, seconds
     assert (out / "loss.png").stat().st_mtime >= (out / "metrics.json").stat().st_mtime - 1  # redrawn, marked
+
+
+def test_a_fault_during_the_restart_is_a_second_restart_on_the_same_curve(tmp_path, uninterrupted):
+    """Rank 1 dies at step 8; the relaunch on 3 ranks loses its rank 1 while it loads the checkpoint;
+    the third launch, on 2 ranks, finishes from the same checkpoint of step 5."""
+    fault = {"FAULT": "kill", "RANK": "1", "STEP": "8", "ONCE": str(tmp_path / "once")}
+    fault.update(LOAD_FAULT="1", LOAD_ONCE=str(tmp_path / "load-once"))
+    r, out, seconds = launch(tmp_path, "twice", fault=fault)
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    steps = metrics["steps"]
+    assert [s["step"] for s in steps] == list(range(1, 13)) and [s["world"] for s in steps] == [4] * 5 + [2] * 7
+    np.testing.assert_allclose([s["loss"] for s in steps], [s["loss"] for s in uninterrupted["steps"]], atol=1e-5)
+    first, second = metrics["restarts"]
+    assert (first["rank"], first["world"], second["rank"], second["world"]) == (1, 4, 1, 3), metrics["restarts"]
+    assert "first_step_after" not in first or first["first_step_after"] == 6, first  # no step ran on 3 ranks
+    assert second["first_step_after"] == 6, second
+    assert seconds < 90, seconds
+
+
+def test_zero3_with_a_kill_during_the_background_checkpoint_write_resumes_from_the_one_before(tmp_path, uninterrupted):
+    """--zero 3 --ckpt-async: rank 1 dies halfway through writing its pieces of step 10 (on the
+    background thread): the manifest still names step 5, so steps 6-12 are redone on 3 ranks."""
+    fault = {"FAULT": "killwrite", "RANK": "1", "STEP": "10", "ONCE": str(tmp_path / "once")}
+    r, out, _ = launch(tmp_path, "zero3", fault=fault, layout=("--dp", "4", "--zero", "3", "--ckpt-async"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    steps = metrics["steps"]
+    assert [s["step"] for s in steps] == list(range(1, 13)), "each step once, none lost"
+    assert [s["world"] for s in steps] == [4] * 5 + [3] * 7, "the half-written step 10 was never the checkpoint"
+    assert steps[-1]["layout"] == "--dp 3 --zero 3"
+    np.testing.assert_allclose([s["loss"] for s in steps], [s["loss"] for s in uninterrupted["steps"]], atol=1e-5)
+    (restart,) = metrics["restarts"]
+    assert restart["rank"] == 1 and restart["first_step_after"] == 6, restart
+
+
+def test_a_pipeline_of_two_stages_over_two_replicas_shrinks_to_one_replica_of_more_micro_batches(tmp_path):
+    """--pp 2 --dp 2 (2 blocks), 12 rows in 2 micro-batches a replica (3 rows each); rank 3 dies at
+    step 8: 3 ranks hold one replica, which cuts its 12 rows into 4 micro-batches of 3. The losses are
+    a serial run's of the same model."""
+    fault = {"FAULT": "kill", "RANK": "3", "STEP": "8", "ONCE": str(tmp_path / "once")}
+    layout = ("--pp", "2", "--dp", "2", "--microbatches", "2", "--layers", "2")
+    r, out, _ = launch(tmp_path, "pp", fault=fault, layout=layout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    serial = tmp_path / "serial"
+    argv = [sys.executable, "-m", "tinytrain.cli", "train", *TRAIN, "--layers", "2", "--out", str(serial)]
+    subprocess.run(argv, check=True, capture_output=True, env=dict(mpi_environment(), TINYTRAIN_DEVICE="cpu"))
+    metrics = json.loads((out / "metrics.json").read_text())
+    steps = metrics["steps"]
+    assert [s["step"] for s in steps] == list(range(1, 13))
+    assert [s["layout"] for s in steps] == ["--dp 2 --pp 2 --microbatches 2"] * 5 + ["--pp 2 --microbatches 4"] * 7
+    assert [s["world"] for s in steps] == [4] * 5 + [2] * 7
+    expected = [s["loss"] for s in json.loads((serial / "metrics.json").read_text())["steps"]]
+    np.testing.assert_allclose([s["loss"] for s in steps], expected, atol=1e-5)
 
 
 def test_a_fault_in_every_run_stops_after_max_restarts(tmp_path):

@@ -9,7 +9,8 @@ strategies with each other (and with serial) on the same model: time, bytes sent
 sets the calibrated planner's step time beside a measured one. ``scaling`` trains the same model
 serially and on 2 ranks (DP, TP, PP), alternating, and reports the speedup. ``dp-algos`` trains
 under every ``--dp-algo`` and draws loss against steps and against bytes sent; ``fed`` does the same
-for federated averaging's settings (skew, participation, secure aggregation, noise).
+for federated averaging's settings (skew, participation, secure aggregation, noise); ``checkpoint``
+times a step with a checkpoint every step, synchronous and asynchronous, against the step alone.
 Each benchmark is a module here with ``add_arguments(parser)`` and ``run(args)``.
 """
 
@@ -26,6 +27,7 @@ BENCHMARKS = {
     "scaling": "tokens/s serially and on 2 ranks per layout (DP, TP, PP): speedup, efficiency, comm (mpirun -n 2)",
     "dp-algos": "loss against steps and bytes for every --dp-algo, same seed (mpirun -n 4)",
     "fed": "federated averaging: iid vs skewed data, participation, secure aggregation, noise (mpirun -n 4)",
+    "checkpoint": "a checkpoint every step, synchronous vs --ckpt-async, as a share of the step (any -n)",
 }
 
 

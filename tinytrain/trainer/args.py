@@ -116,6 +116,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--eval-every", type=int, default=100)
     run.add_argument("--eval-batches", type=int, default=4)
     run.add_argument("--ckpt-every", type=int, default=200)
+    run.add_argument(
+        "--ckpt-async",
+        action="store_true",
+        help="write checkpoints on a background thread while training goes on (the step waits only for a copy)",
+    )
     run.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
     run.add_argument("--trace", default=None, metavar="OUT.json", help="write a Chrome trace of every rank (Perfetto)")
     run.add_argument("--plot", action="store_true", help="also draw what each rank did in the last step (pipeline)")

@@ -219,13 +219,26 @@ def _train(args, out: Path) -> int:
             progress.update(step, loss_value, record["tokens_per_s"], extra)
             # every rank stops after the same step, with the signal one of them got (0: none)
             stop = runner.vote(interrupts.signal or 0)
-            if step % args.ckpt_every == 0 or step == args.steps or stop:
-                try:
-                    save(runner, ckpt, step, optimizer, metrics, args, model, scaler)
-                except BaseException:
-                    if runner.is_main:  # the steps done are not lost with the checkpoint
-                        keep_metrics(out, metrics)
-                    raise
+            last = step == args.steps or stop  # the run ends: its checkpoint is on disk before it does
+            try:
+                runner.settle_save()  # --ckpt-async: the manifest, once every rank's pieces are on disk
+                if step % args.ckpt_every == 0 or last:
+                    save(
+                        runner,
+                        ckpt,
+                        step,
+                        optimizer,
+                        metrics,
+                        args,
+                        model,
+                        scaler,
+                        background=args.ckpt_async and not last,
+                    )
+            except BaseException:
+                if runner.is_main:  # the steps done are not lost with the checkpoint
+                    keep_metrics(out, metrics)
+                raise
+            if last:
                 saved_step = step
             if stop:
                 return interrupted(runner, out, metrics, stop, saved_step, quiet)
@@ -274,21 +287,22 @@ def train_step(runner, optimizer, schedule, dataset, args, step: int, scaler=Non
     return loss_value, grad_norm, lr
 
 
-def save(runner, ckpt: Path, step: int, optimizer, metrics: dict, args, model, scaler=None) -> None:
+def save(runner, ckpt: Path, step: int, optimizer, metrics: dict, args, model, scaler=None, background=False) -> None:
+    """The checkpoint of ``step`` (``background``: its pieces written while training goes on)."""
     meta = {
         "step": step,
         "seed": args.seed,
         "optimizer": args.optimizer,
         "args": _plain_args(args),
         "model_config": model.config.to_dict(),
-        "metrics_steps": metrics["steps"],
+        "metrics_steps": list(metrics["steps"]),  # (a background save's: the steps up to its own)
         "routing_bias": routing_biases(model),  # --balance bias: state the next steps' routing needs
     }
     if getattr(model, "dataset_meta", None):  # its vocabulary: `tinytrain sample` needs no text
         meta["dataset"] = model.dataset_meta
     if scaler is not None:
         meta["loss_scaler"] = scaler.state_dict()
-    runner.save(ckpt, step, optimizer, meta)
+    runner.save(ckpt, step, optimizer, meta, background=background)
 
 
 def write_metrics(out: Path, metrics: dict, args, dataset) -> None:

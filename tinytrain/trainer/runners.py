@@ -45,7 +45,11 @@ class Runner(Protocol):
 
     def shapes(self) -> dict: ...  # each parameter's serial shape (what a checkpoint records)
 
-    def save(self, folder, step: int, optimizer, meta: dict) -> None: ...  # every rank its pieces
+    def save(
+        self, folder, step: int, optimizer, meta: dict, background: bool = False
+    ) -> None: ...  # every rank its pieces
+
+    def settle_save(self, wait: bool = False) -> int | None: ...  # a background save's manifest, once all wrote
 
     def load(self, reader: checkpoint.Reader, optimizer) -> None: ...  # from a checkpoint of any layout
 
@@ -58,10 +62,56 @@ class Runner(Protocol):
     def finish(self, args, out: Path) -> None: ...  # traces, plots, memory tables
 
 
-class SerialRunner:
+class Saves:
+    """Checkpoint saving, the same for both runners: every rank writes its pieces, then rank 0 names
+    them in the manifest once every rank's are on disk. With ``background`` (``--ckpt-async``) the
+    pieces are only copied to host memory here, a thread writes them, and ``settle_save`` (called
+    at every step's end) commits the manifest at the first step's end when every rank's write is done."""
+
+    pending = None  # (folder, step, meta, its BackgroundWrite or None)
+
+    def save(self, folder, step: int, optimizer, meta: dict, background: bool = False) -> None:
+        self.settle_save(wait=True)  # one write at a time: the last one's manifest first
+        pieces, scalars = self.checkpoint_pieces(optimizer)  # host copies: the snapshot
+        if background:
+            self.pending = (folder, step, meta, checkpoint.BackgroundWrite(folder, step, self.rank, pieces, scalars))
+            return
+        checkpoint.write_pieces(folder, step, self.rank, pieces, scalars)
+        self.pending = (folder, step, meta, None)
+        self.settle_save(wait=True)
+        self.barrier()  # a synchronous save has returned on no rank before the manifest names it
+
+    def settle_save(self, wait: bool = False) -> int | None:
+        """Commit the pending save if every rank's pieces are on disk (``wait``: wait for this rank's
+        write first); returns the step committed, else None. Every rank calls it at the same steps."""
+        if self.pending is None:
+            return None
+        folder, step, meta, write = self.pending
+        if write is not None and wait:
+            write.wait()
+        mine = write.error if write is not None and write.finished else None
+        still_writing, failed = self.agree(int(write is not None and not write.finished), int(mine is not None))
+        if failed:
+            self.pending = None
+            if mine is not None:
+                raise mine
+            raise checkpoint.CheckpointError(
+                f"the checkpoint of step {step} was not saved: another rank could not write its pieces "
+                "(its error says why); the previous checkpoint stays"
+            )
+        if still_writing:
+            return None
+        self.pending = None
+        if self.is_main:
+            checkpoint.commit(folder, step, self.world_size(), self.shapes(), dict(meta, layout=self.layout()))
+        return step
+
+
+class SerialRunner(Saves):
     """One process holds the whole model: forward, backward, done."""
 
     is_main = True
+    rank = 0
 
     def __init__(self, model):
         self.model = model
@@ -91,10 +141,20 @@ class SerialRunner:
     def share_model(self) -> None:
         """The model is whole already."""
 
-    def save(self, folder, step: int, optimizer, meta: dict) -> None:
-        pieces, scalars = checkpoint.collect(self.named, optimizer)
-        checkpoint.write_pieces(folder, step, 0, pieces, scalars)
-        checkpoint.commit(folder, step, 1, self.shapes(), dict(meta, layout="(serial)"))
+    def checkpoint_pieces(self, optimizer):
+        return checkpoint.collect(self.named, optimizer)
+
+    def agree(self, *flags: int) -> tuple[int, ...]:
+        return flags
+
+    def barrier(self) -> None:
+        """One process: nothing to wait for."""
+
+    def world_size(self) -> int:
+        return 1
+
+    def layout(self) -> str:
+        return "(serial)"
 
     def shapes(self) -> dict:
         return _shapes(self.model)
@@ -119,7 +179,7 @@ class SerialRunner:
             write_trace(args.trace, trace.spans())
 
 
-class MeshRunner:
+class MeshRunner(Saves):
     """Any layout of ``plan`` on the device mesh: ``hybrid.parallelize`` builds this rank's part."""
 
     def __init__(self, model, plan, batch_size: int, dataset=None):
@@ -178,21 +238,27 @@ class MeshRunner:
     def vote(self, value: int) -> int:
         """One 4-byte all-reduce (max): a signal may reach one rank only, or the ranks during
         different steps, and every rank must stop after the same step, knowing which signal."""
+        return self.agree(value)[0]
+
+    def checkpoint_pieces(self, optimizer):
+        return self.parallel.checkpoint_pieces(optimizer)
+
+    def agree(self, *flags: int) -> tuple[int, ...]:
+        """The largest of each flag over the ranks (one small all-reduce): did any rank ...?"""
         import numpy
 
-        votes = numpy.array([value], dtype=numpy.int32)
-        self.dist.all_reduce(votes, op="max")
-        return int(votes[0])
+        most = numpy.array(flags, dtype=numpy.int32)
+        self.dist.all_reduce(most, op="max")
+        return tuple(int(f) for f in most)
 
-    def save(self, folder, step: int, optimizer, meta: dict) -> None:
-        pieces, scalars = self.parallel.checkpoint_pieces(optimizer)
-        checkpoint.write_pieces(folder, step, self.rank, pieces, scalars)
-        self.dist.barrier()  # every rank's pieces are on disk before the manifest names them
-        if self.is_main:
-            checkpoint.commit(
-                folder, step, self.dist.get_world_size(), self.shapes(), dict(meta, layout=self.plan.flags())
-            )
+    def barrier(self) -> None:
         self.dist.barrier()
+
+    def world_size(self) -> int:
+        return self.dist.get_world_size()
+
+    def layout(self) -> str:
+        return self.plan.flags()
 
     def shapes(self) -> dict:
         return self.parallel.shapes  # the serial shapes, kept before ZeRO-3 freed the parameters
