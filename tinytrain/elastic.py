@@ -121,7 +121,7 @@ def layout_for(available: int, train_args) -> Layout:
             f"{available} ranks are left, and one replica of this layout (--tp {train_args.tp} --pp {train_args.pp} "
             f"--cp {train_args.cp} --ep {train_args.ep}) needs {fixed}: the smallest world that would do is {fixed}"
         )
-    # BEGIN SOLUTION 10.1 "The most replicas whose shards split the global batch; a pipeline replica's fewest micro-batches of at most the launch's rows that its schedule plays." full="For dp from available // fixed down to 1: shards = dp·ep must divide the batch; without a pipeline that is the layout; with one, rows = batch // shards, and the first m (1, 2, ...) dividing rows with rows // m at most the launch's batch // (dp·ep·m0) and schedule_takes(m)."
+    # BEGIN SOLUTION 10.1 "The most replicas that fit and split the global batch evenly; for a pipeline, the fewest micro-batches its schedule plays, none bigger than the launch's." full="For dp from available // fixed down to 1: shards = dp·ep must divide the batch; without a pipeline that is the layout; with one, rows = batch // shards, and the first m (1, 2, ...) dividing rows with rows // m at most the launch's batch // (dp·ep·m0) and schedule_takes(m)."
     most_rows = train_args.batch_size // (train_args.dp * train_args.ep * launch_microbatches(train_args))
     for dp in range(available // fixed, 0, -1):
         shards = dp * train_args.ep

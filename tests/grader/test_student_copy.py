@@ -140,7 +140,7 @@ def test_selfcheck_solves_a_task_and_its_prerequisites_in_a_fresh_copy(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"1\.3\s+1\.1,1\.2,1\.3\s+15/15", proc.stdout), proc.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "grader", "selfcheck", "--tasks", "10.*"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "grader", "selfcheck", "--tasks", "11.*"], cwd=ROOT, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "matches no task" in bad.stderr, bad.stdout + bad.stderr
 
