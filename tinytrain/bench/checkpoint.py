@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--configs", nargs="+", default=["default", "wide"], choices=list(CONFIGS))
     p.add_argument("--rounds", type=int, default=3, help="timed blocks per mode and config (after an untimed one)")
-    p.add_argument("--block", type=int, default=8, help="steps per block")
+    p.add_argument("--block", type=int, default=16, help="steps per block (its last write is waited for in it)")
     p.add_argument("--every", type=int, default=1, help="a checkpoint every this many steps (the loop's --ckpt-every)")
     p.add_argument("--out", default=None, help="folder for the checkpoints (default: a temporary one, removed)")
     p.add_argument("--json", default=None, help="write the rows to this file")
