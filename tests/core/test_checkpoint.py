@@ -215,3 +215,23 @@ def test_a_failed_background_write_is_the_checkpoint_error_at_the_next_step(tmp_
         runner.settle_save(wait=True)
     monkeypatch.undo()
     assert checkpoint.Reader(tmp_path).meta["step"] == 3 and runner.pending is None
+
+
+def test_pieces_are_packed_one_array_per_dtype_and_unpacked_checkpoints_still_read(tmp_path):
+    model, opt = trained(6)
+    named = save(tmp_path, model, opt, 2)
+    members = numpy.load(tmp_path / "step-000000002" / "rank-00000.npz").files
+    assert members == ["float32"], members  # 3 fields x every parameter, in one member
+    # a checkpoint written before the packing: a member per piece, no offsets in the index
+    old = tmp_path / "old"
+    pieces, scalars = checkpoint.collect(named, opt)
+    (old / "step-000000002").mkdir(parents=True)
+    numpy.savez(old / "step-000000002" / "rank-00000.npz", **{f"a{i}": a for i, (_, a) in enumerate(pieces)})
+    index = {"pieces": [dict(vars(p), array=f"a{i}") for i, (p, _) in enumerate(pieces)], "scalars": scalars}
+    (old / "step-000000002" / "rank-00000.json").write_text(json.dumps(index))
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    checkpoint.commit(old, 2, 1, shapes, {"step": 2})
+    new, before = checkpoint.Reader(tmp_path), checkpoint.Reader(old)
+    for name in new.names():
+        for field in new.fields(name):
+            numpy.testing.assert_array_equal(new.read(name, field), before.read(name, field), err_msg=name)
