@@ -37,6 +37,9 @@ assert "tinytrain.parallel.data_parallel.BucketedDDP" in swapped
 import tinytrain.parallel.federated as fed
 import assignments.a9_federated as a9
 assert fed.FedAvg is a9.FedAvg and fed.weighted_average is a9.weighted_average  # --dp-algo fedavg runs yours
+import tinytrain.elastic as elastic
+import assignments.a10_elastic as a10
+assert elastic.layout_for is a10.layout_for and elastic.Agent is a10.Agent  # the elastic agent decides with yours
 print("ok", len(swapped))
 """
     proc = subprocess.run(
