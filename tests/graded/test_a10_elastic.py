@@ -188,11 +188,15 @@ def test_the_layout_of_the_ranks_left_in_the_hard_cases(elastic, case):
 def test_a_pipeline_replica_asks_its_schedule_which_counts_it_plays(impl, monkeypatch):
     """A schedule of the test's own, which plays multiples of 3 only: 12 rows a replica in at most
     6 a micro-batch would be 2 micro-batches, and this schedule makes it 3."""
+    rng = np.random.default_rng(grading_seed())
     monkeypatch.setattr(impl.elastic, "schedule_takes", multiples_of_3)
     check(impl.elastic, 4, "--pp 2 --dp 2 --microbatches 2 --batch-size 24", plays=multiples_of_3,
           why="a schedule that plays multiples of 3 only")  # fmt: skip
     check(impl.elastic, 8, "--pp 2 --dp 2 --microbatches 3 --batch-size 24", plays=multiples_of_3,
           why="a schedule that plays multiples of 3 only, 4 replicas of 6 rows")  # fmt: skip
+    for _ in range(30):
+        available, flags = drawn_launch(rng, pipeline=True)
+        check(impl.elastic, available, flags, plays=multiples_of_3, why="a drawn launch, a schedule of multiples of 3")
 
 
 @pytest.mark.task("10.1")
@@ -206,7 +210,12 @@ def test_a_pipeline_replica_asks_its_schedule_which_counts_it_plays(impl, monkey
     ids=["odd-batch-over-expert-ranks", "odd-batch-interleaved"],
 )  # fmt: skip
 def test_a_batch_that_no_layout_splits_is_refused(elastic, available, flags, why):
+    rng = np.random.default_rng(grading_seed())
     check(elastic, available, flags, why=why)
+    # and drawn ones: an odd batch over 2 expert ranks
+    batch, tp = 2 * int(rng.integers(0, 20)) + 1, int(rng.choice([1, 2]))
+    drawn = f"--tp {tp} --ep 2 --dp {int(rng.integers(1, 5))} --batch-size {batch}"
+    check(elastic, int(rng.integers(2 * tp, 16 * tp)), drawn, why="a drawn odd batch over 2 expert ranks")
 
 
 @pytest.mark.task("10.1")
@@ -221,10 +230,10 @@ def test_a_world_below_one_replica_is_refused_naming_the_smallest_world(elastic)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
-def drawn_launch(rng) -> tuple[int, str]:
-    """(ranks available, a launch's options) whose own layout keeps the rules."""
+def drawn_launch(rng, pipeline: bool = False) -> tuple[int, str]:
+    """(ranks available, a launch's options) whose own layout keeps the rules (``pipeline``: pp > 1)."""
     tp, cp, ep = (int(rng.choice([1, 1, 2])) for _ in range(3))
-    pp = int(rng.choice([1, 1, 2, 3]))
+    pp = int(rng.choice([2, 3] if pipeline else [1, 1, 2, 3]))
     schedule = str(rng.choice(SCHEDULES)) if pp > 1 else "1f1b"
     dp = int(rng.integers(1, 6))
     flags = f"--tp {tp} --pp {pp} --cp {cp} --ep {ep} --dp {dp}"
