@@ -17,6 +17,7 @@ it out (``tests/grader/`` is excluded in the rubric).
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import subprocess
@@ -39,6 +40,7 @@ A7 = "tinytrain/parallel/context_parallel/"
 A8_CHECKPOINT = "tinytrain/autograd/checkpoint.py"
 A8_OPTIM = "tinytrain/optim.py"
 A9 = "tinytrain/parallel/federated.py"
+A10 = "tinytrain/elastic.py"
 
 
 @dataclass(frozen=True)
@@ -1409,9 +1411,116 @@ MUTANTS += [
         "    total = total_of([xp.asarray(u, dtype=xp.float64) for u in updates])",
         "clip each update",
     ),
+    # --- assignment 10: elastic training ---------------------------------------------------------------
+    M(
+        "layout_fewest_replicas_first",  # dp counted up: the first that splits the batch is 1
+        "10.1",
+        A10,
+        "    for dp in range(available // fixed, 0, -1):",
+        "    for dp in range(1, available // fixed + 1):",
+        "fewer replicas than fit",
+    ),
+    M(
+        "layout_rounds_the_replicas_up",  # the remainder rank counted as a replica
+        "10.1",
+        A10,
+        "    for dp in range(available // fixed, 0, -1):",
+        "    for dp in range(-(-available // fixed), 0, -1):",
+        "more than the \\d+ available",
+    ),
+    M(
+        "layout_one_replica_short",  # off by one: never all the replicas that fit
+        "10.1",
+        A10,
+        "    for dp in range(available // fixed, 0, -1):",
+        "    for dp in range(available // fixed - 1, 0, -1):",
+        "fewer replicas than fit|refused",
+    ),
+    M(
+        "layout_never_grows",  # at most the launch's replicas: more ranks stay idle
+        "10.1",
+        A10,
+        "    for dp in range(available // fixed, 0, -1):",
+        "    for dp in range(min(available // fixed, train_args.dp), 0, -1):",
+        "fewer replicas than fit",
+    ),
+    M(
+        "layout_ignores_the_expert_ranks",  # a replica's ep ranks take rows of their own
+        "10.1",
+        A10,
+        "        shards = dp * train_args.ep\n",
+        "        shards = dp\n",
+        "does not split evenly",
+    ),
+    M(
+        "layout_keeps_the_launchs_micro_batches",  # more rows a replica: bigger micro-batches
+        "10.1",
+        A10,
+        "        rows = train_args.batch_size // shards\n",
+        "        return Layout(dp, fixed, launch_microbatches(train_args))\n",
+        "more than the launch's",
+    ),
+    M(
+        "layout_bound_of_the_new_layout",  # the micro-batch bound taken from the replicas that fit now
+        "10.1",
+        A10,
+        "    most_rows = train_args.batch_size // (train_args.dp * train_args.ep * launch_microbatches(train_args))",
+        "    most_rows = train_args.batch_size // (max(1, available // fixed_ranks(train_args)) * train_args.ep"
+        " * launch_microbatches(train_args))",
+        "more than the launch's",
+    ),
+    M(
+        "layout_strictly_smaller_micro_batches",  # < for <=: a micro-batch of the launch's size is refused
+        "10.1",
+        A10,
+        "rows // microbatches <= most_rows",
+        "rows // microbatches < most_rows",
+        "fewer micro-batches|refused",
+    ),
+    M(
+        "layout_micro_batches_that_do_not_divide",  # rows // m rounds down: rows are dropped
+        "10.1",
+        A10,
+        "            fits = rows % microbatches == 0 and rows // microbatches <= most_rows",
+        "            fits = rows // microbatches <= most_rows",
+        "does not split evenly",
+    ),
+    M(
+        "layout_ignores_the_schedule",  # interleaved 1F1B plays multiples of --pp only
+        "10.1",
+        A10,
+        "            if fits and schedule_takes(train_args, microbatches):",
+        "            if fits:",
+        "does not play",
+    ),
+    M(
+        "layout_knows_the_interleaved_rule_instead_of_asking",  # right for tinytrain's schedules, not for others
+        "10.1",
+        A10,
+        "            if fits and schedule_takes(train_args, microbatches):",
+        "            if fits and (train_args.schedule != 'interleaved' or microbatches % train_args.pp == 0):",
+        "does not play",
+    ),
+    M(
+        "layout_pipeline_at_least_two_micro_batches",  # a pipeline always cut, even when its rows fit in one
+        "10.1",
+        A10,
+        "        for microbatches in range(1, rows + 1):",
+        "        for microbatches in range(2, rows + 1):",
+        "fewer micro-batches",
+    ),
+    M(
+        "layout_never_refuses",  # a batch that nothing splits still gets a layout
+        "10.1",
+        A10,
+        "                return Layout(dp, fixed, microbatches)\n",
+        "                return Layout(dp, fixed, microbatches)\n"
+        "    return Layout(1, fixed, launch_microbatches(train_args))\n",
+        "must refuse",
+    ),
 ]
 
-# The representative subset CI runs (tests/grader/test_mutants.py): one mutant of each of 13 tasks,
+# The representative subset CI runs (tests/grader/test_mutants.py): one mutant of each of 14 tasks,
 # graded in one run (about 30 s on 2 cores); A3's tasks, the slowest to grade, only in the full set.
 CI_MUTANTS = (
     "direct_exchange_with_owners",
@@ -1427,6 +1536,7 @@ CI_MUTANTS = (
     "ring_computes_before_sending",
     "ulysses_forgets_to_sort_positions",
     "fedavg_unweighted_mean",
+    "layout_ignores_the_expert_ranks",
 )
 MUTANTS = [replace(m, ci=m.name in CI_MUTANTS) for m in MUTANTS]
 
@@ -1559,9 +1669,7 @@ def report(mutants: list[Mutant], found: dict[str, tuple[bool, str]]) -> str:
 
 def main(ci: bool = False, tasks: list[str] | None = None) -> int:
     chosen = [
-        m
-        for m in MUTANTS
-        if (not ci or m.ci) and (not tasks or any(re.fullmatch(p.replace("*", ".*"), m.task) for p in tasks))
+        m for m in MUTANTS if (not ci or m.ci) and (not tasks or any(fnmatch.fnmatchcase(m.task, p) for p in tasks))
     ]
     found = run(chosen)
     print(report(chosen, found))
