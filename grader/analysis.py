@@ -83,6 +83,15 @@ QUESTIONS = {
         "DP-FedAvg's noise on the average has std σ·S/m for m clients a round: how many clients would a round "
         "need for that noise to stay below a tenth of a typical clipped update's size here?",
     ],
+    "10": [
+        "Read the --pp 2 launch's rows: on which worlds does a rank stay idle, and on which does a micro-batch hold "
+        "fewer rows than the launch's 3? Why does 10 ranks run as 8 do, and 6 ranks in micro-batches of 2 rows?",
+        "A step's time is about (m + p - 1) micro-batch times of one replica's rows: from the table, how much longer "
+        "is a step on 2 ranks than on 8, and how much of that is the bubble? Would a larger micro-batch have been "
+        "faster, and why does the agent not take it?",
+        "Which worlds would a DeepSpeed-style elastic batch (a batch size that many world sizes divide) run, and "
+        "what does it give up that keeping the global batch keeps?",
+    ],
 }
 
 
@@ -208,6 +217,13 @@ def section(a: str, figures: dict) -> list[str]:
               [r["samples"], r["rounds"] or f"not within {FED_ROUNDS}", f"{r['final']:.3f}"])] for r in rows["rounds"]],
         )  # fmt: skip
         return [*volumes, "", *rounds]
+    if a == "10":
+        return _table(
+            ["launch", "ranks available", "--dp", "ranks used", "micro-batches", "rows per micro-batch"],
+            [[f"`{r['flags']}`", r["available"], *(["", r["todo"], "", ""] if "todo" in r else
+              ["", f"refused: {r['refused']}", "", ""] if "refused" in r else
+              [r["dp"], r["world"], r["microbatches"], f"{r['rows']:g}"])] for r in rows],
+        )  # fmt: skip
     if a == "8":
         return _table(
             ["what", "measured", "formula", "check"],

@@ -303,6 +303,43 @@ def federated() -> dict:
     return {"bytes": bytes_rows, "rounds": rounds_rows}
 
 
+ELASTIC_LAUNCHES = (  # assignment 10: a launch's options, and the worlds it is asked about
+    ("--dp 4 --batch-size 12", range(1, 9)),
+    ("--pp 2 --dp 4 --batch-size 48", range(2, 13)),
+)
+
+
+def elastic() -> list[dict]:
+    """Assignment 10, through the assignment file's own ``layout_for``: the layout each world size
+    gets for two launches, 4 replicas each (one without a pipeline, one of ``--pp 2`` whose
+    micro-batches held 3 rows), as the world shrinks and grows. A row whose code is still a TODO
+    (yours, or the pipeline schedule's that ``schedule_takes`` asks) records it."""
+    import argparse
+
+    import assignments.a10_elastic as a10
+    from tinytrain.trainer.args import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    rows = []
+    for flags, worlds in ELASTIC_LAUNCHES:
+        args = parser.parse_args(flags.split())
+        for world in worlds:
+            row = {"flags": flags, "available": world}
+            try:
+                layout = a10.layout_for(world, args)
+            except NotImplementedError as exc:
+                row["todo"] = str(exc).partition(":")[0]
+            except ValueError as exc:
+                row["refused"] = str(exc)
+            else:
+                shards = layout.dp * args.ep * layout.microbatches
+                row.update(dp=layout.dp, world=layout.world, microbatches=layout.microbatches)
+                row.update(rows=args.batch_size / shards, batch=args.batch_size)
+            rows.append(row)
+    return rows
+
+
 SECTIONS = {
     "1": collectives,
     "2": lambda: strategies(["dp"]),
@@ -313,6 +350,7 @@ SECTIONS = {
     "7": context,
     "8": memory,
     "9": federated,
+    "10": elastic,
 }
 
 

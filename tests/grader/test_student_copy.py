@@ -173,15 +173,17 @@ def test_report_in_a_copy_measures_the_students_code_and_asks_the_questions(tmp_
             sections = text.split("## Assignment ")[1:]
             assert len(sections) == len(RUBRIC.assignments) and all("TODO" in x for x in sections), text
             assert "| equal |" not in text, text
-            assert "0 of 9 assignments measured; still TODO: 1, 2, 3, 4, 5, 6, 7, 8, 9" in proc.stdout, proc.stdout
+            assert "0 of 10 assignments measured; still TODO: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10" in proc.stdout, proc.stdout
             continue
-        assert "9 of 9 assignments measured" in proc.stdout, proc.stdout
+        assert "10 of 10 assignments measured" in proc.stdout, proc.stdout
         assert "Not measured" not in text and "differs" not in text, text
         # A1 9 rows, DP 1, ZeRO 4 + 4 (bytes, memory), TP 2, PP 2 (interleaved has no formula), CP 2,
         # memory 3 + 2 (activation bytes per recompute mode, AdamW state in fp32 and bf16), federated 4
         # (bytes per round: plain and secure, FedAvg and DP-FedAvg)
         assert text.count("| equal |") == 9 + 1 + 8 + 2 + 2 + 2 + 5 + 4, text
         assert re.search(r"\| 1f1b \| 8 \| 0\.2727 \| 0\.2727 \| \[4, 3, 2, 1\] \|", text), text
+        # elastic: 6 ranks of a --pp 2 --dp 4 launch run 3 replicas of 8 micro-batches (16 rows, at most 3 each)
+        assert "| `--pp 2 --dp 4 --batch-size 48` | 6 | 3 | 6 | 8 | 2 |" in text, text
 
 
 def test_grading_without_mpirun_is_one_sentence(tmp_path):
