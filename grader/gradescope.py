@@ -121,8 +121,10 @@ def take_submission(submission: Path, copy: Path, rubric, tasks: list[str] | Non
     for rel, path in found.items():
         shutil.copyfile(path, copy / rel)
     graded = {t.assignment for t in rubric.select(tasks)}
+    in_order = [rel for a in rubric.assignments.values() for rel in a.files]  # a2 before a10, as the course runs
     wanted = [rel for a in rubric.assignments.values() if a.id in graded for rel in a.files]
-    return sorted(found), [rel for rel in wanted if rel not in found]
+    taken = sorted(found, key=lambda rel: (in_order.index(rel) if rel in in_order else len(in_order), rel))
+    return taken, [rel for rel in wanted if rel not in found]
 
 
 def run(root: Path, tasks: list[str] | None = None) -> int:

@@ -39,7 +39,7 @@ def test_every_layout_has_a_row_whose_figures_add_up(tmp_path, capsys):
         assert r["loss_diff"] < 1e-4, r["layout"]  # the layout trains the serial curve
     by_layout = {r["layout"]: r for r in rows}
     assert by_layout["dp"]["plan"] == "--dp 2" and by_layout["dp"]["target_speedup"] == 1.7
-    assert by_layout["pp"]["plan"] == "--pp 2 --schedule 1f1b --microbatches 8"
+    assert by_layout["pp"]["plan"] == "--pp 2 --microbatches 8 --schedule 1f1b"
     assert by_layout["tp"]["target_speedup"] is None  # judged on the wide model, not this one
     # DP's ideal: a serial step on one replica's rows, timed beside; only DP has one
     assert by_layout["dp"]["ideal_speedup"] > 0
