@@ -948,6 +948,13 @@ class ScaledDotProductAttention(Function):
     skipped part above the diagonal is up to half of the T x T scores, their exp and their softmax,
     which dominate a long context. Each block's probabilities are kept for backward (the lower
     triangle of p, block by block). Without a mask there is one block with every key.
+
+    The batch axes (B, H, ...) are flattened into one axis of n independent attentions, and each
+    core takes its share of them whole (:func:`~tinytrain.autograd.threads.in_pieces`): its
+    matrix products, softmax and blocks, one after the other (:func:`_attention_forward`,
+    :func:`_attention_backward`). Why not the cores within each block's softmax: a long context
+    has many small blocks, and each hand-over to the other core, and the single-threaded small
+    products between them, cost more than the softmax they split.
     """
 
     @staticmethod
@@ -959,45 +966,61 @@ class ScaledDotProductAttention(Function):
         # fp16 overflows and bf16 loses the small probabilities); kept for backward: q, k, v and the
         # probabilities rounded to it; the output is rounded once.
         kept, dtype = (q, k, v), v.dtype
-        q, k, v = (_up(a) for a in kept)
-        scale = q.dtype.type(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-        blocks = _query_blocks(T, S, causal)
         batch = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-        out = xp.empty(batch + (T, v.shape[-1]), dtype=v.dtype)
-        q_scaled = q * scale  # scaled once here: (T, D) entries instead of (T, T) scores
-        k_t = xp.swapaxes(k, -1, -2)
-        probs = []
-        for lo, hi, keys in blocks:
-            scores = q_scaled[..., lo:hi, :] @ k_t[..., :keys]  # (..., rows, keys)
-            if causal:  # the block's diagonal square: query lo + i sees keys up to lo + i
-                scores[..., lo:hi] += _causal_bias(hi - lo, scores.dtype)
-            in_pieces(_softmax_inplace, scores)  # now the probabilities, on every core
-            out[..., lo:hi, :] = scores @ v[..., :keys, :]
-            probs.append(_low(scores, dtype))
-        ctx.save_for_backward(*kept, *probs)
+        scale = _up(q).dtype.type(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+        # q scaled once here: (T, D) entries instead of (T, T) scores
+        q3, k3, v3 = (_flat_batch(a, batch) for a in (_up(q) * scale, _up(k), _up(v)))
+        blocks = _query_blocks(T, S, causal)
+        out = xp.empty(q3.shape[:1] + (T, v.shape[-1]), dtype=v3.dtype)
+        probs = [xp.empty((q3.shape[0], hi - lo, keys), dtype=v3.dtype) for lo, hi, keys in blocks]
+        in_pieces(functools.partial(_attention_forward, blocks=blocks, causal=causal), q3, k3, v3, out, *probs)
+        ctx.save_for_backward(*kept, *(_low(p, dtype) for p in probs))
         ctx.scale, ctx.blocks = scale, blocks
-        return _low(out, dtype)
+        return _low(out.reshape(batch + out.shape[1:]), dtype)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, *probs = ctx.saved
         shapes, dtype = (q.shape, k.shape, v.shape), v.dtype
-        q, k, v, grad = (_up(a) for a in (q, k, v, grad))  # in float32, as forward
         batch = grad.shape[:-2]
-        dq = xp.empty(batch + q.shape[-2:], dtype=q.dtype)
-        dk = xp.zeros(batch + k.shape[-2:], dtype=k.dtype)
-        dv = xp.zeros(batch + v.shape[-2:], dtype=v.dtype)
-        v_t = xp.swapaxes(v, -1, -2)
-        for (lo, hi, keys), p in zip(ctx.blocks, probs):
-            p, g = _up(p), grad[..., lo:hi, :]
-            dv[..., :keys, :] += xp.swapaxes(p, -1, -2) @ g
-            ds = g @ v_t[..., :keys]  # dp, then ds in place, on every core
-            in_pieces(_softmax_backward_inplace, ds, p)
-            dq[..., lo:hi, :] = ds @ k[..., :keys, :]
-            dk[..., :keys, :] += xp.swapaxes(ds, -1, -2) @ q[..., lo:hi, :]
-        dq *= ctx.scale  # on (T, D) gradients rather than on each (T, T) ds
-        dk *= ctx.scale
-        return tuple(unbroadcast(_low(d, dtype), shape) for d, shape in zip((dq, dk, dv), shapes))
+        g3, q3, k3, v3 = (_flat_batch(_up(a), batch) for a in (grad, q, k, v))  # in float32, as forward
+        dq, dk, dv = xp.empty_like(q3), xp.zeros_like(k3), xp.zeros_like(v3)
+        kernel = functools.partial(_attention_backward, blocks=ctx.blocks, scale=ctx.scale)
+        in_pieces(kernel, g3, q3, k3, v3, dq, dk, dv, *(_up(p) for p in probs))
+        grads = (d.reshape(batch + d.shape[1:]) for d in (dq, dk, dv))
+        return tuple(unbroadcast(_low(d, dtype), shape) for d, shape in zip(grads, shapes))
+
+
+def _flat_batch(a, batch):
+    """``a`` (..., T, D) broadcast to the ``batch`` axes and flattened to (n, T, D), contiguous
+    (a copy where it is a view of another layout or broadcast)."""
+    return xp.ascontiguousarray(xp.broadcast_to(a, batch + a.shape[-2:])).reshape((-1,) + a.shape[-2:])
+
+
+def _attention_forward(q, k, v, out, *probs, blocks, causal):
+    """One piece of n attentions (q already scaled): each block's probabilities into ``probs``,
+    its output rows into ``out``."""
+    k_t = xp.swapaxes(k, -1, -2)
+    for (lo, hi, keys), p in zip(blocks, probs):
+        xp.matmul(q[:, lo:hi], k_t[..., :keys], out=p)  # the block's scores
+        if causal:  # the block's diagonal square: query lo + i sees keys up to lo + i
+            p[..., lo:hi] += _causal_bias(hi - lo, p.dtype)
+        _softmax_inplace(p)  # now the probabilities
+        xp.matmul(p, v[:, :keys], out=out[:, lo:hi])
+
+
+def _attention_backward(g, q, k, v, dq, dk, dv, *probs, blocks, scale):
+    """One piece of n attentions: dq, dk, dv (dk, dv zero on entry) from the output gradient g."""
+    v_t = xp.swapaxes(v, -1, -2)
+    for (lo, hi, keys), p in zip(blocks, probs):
+        g_rows = g[:, lo:hi]
+        dv[:, :keys] += xp.swapaxes(p, -1, -2) @ g_rows
+        ds = g_rows @ v_t[..., :keys]  # dp, then ds in place
+        _softmax_backward_inplace(ds, p)
+        xp.matmul(ds, k[:, :keys], out=dq[:, lo:hi])
+        dk[:, :keys] += xp.swapaxes(ds, -1, -2) @ q[:, lo:hi]
+    dq *= scale  # on (T, D) gradients rather than on each (T, T) ds
+    dk *= scale
 
 
 ATTENTION_BLOCK = 64  # query rows per block: small enough to skip most of the masked half
