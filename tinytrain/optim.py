@@ -16,9 +16,11 @@ moments, since it is part of the state (assignment 8, task 8.3).
 
 from __future__ import annotations
 
+import functools
 import math
 
 from tinytrain.autograd import timed
+from tinytrain.autograd.threads import in_pieces
 from tinytrain.backend import is_low_precision, to_host, xp
 
 
@@ -158,19 +160,44 @@ class AdamW(Optimizer):
         return {"step": 0, "exp_avg": xp.zeros_like(param), "exp_avg_sq": xp.zeros_like(param)}
 
     def rule(self, param, grad, state) -> None:
-        b1, b2 = self.betas
         state["step"] += 1
         t = state["step"]
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m *= b1
-        m += (1 - b1) * grad
-        v *= b2
-        v += (1 - b2) * (grad * grad)
-        if self.weight_decay:
-            param *= 1 - self.lr * self.weight_decay  # decoupled: not part of the gradient
-        denom = xp.sqrt(v / (1 - b2**t))
-        denom += self.eps
-        param -= (self.lr / (1 - b1**t)) * m / denom
+        b1, b2 = self.betas
+        kernel = functools.partial(
+            _adamw_kernel,
+            b1=b1,
+            b2=b2,
+            step_size=self.lr / (1 - b1**t),
+            v_correction=1 / (1 - b2**t),
+            eps=self.eps,
+            decay=1 - self.lr * self.weight_decay,
+        )
+        arrays = (param, grad, state["exp_avg"], state["exp_avg_sq"], xp.empty_like(param))
+        if all(a.flags.c_contiguous for a in arrays):  # flat views: the pieces can be cut anywhere
+            in_pieces(kernel, *(a.reshape(-1) for a in arrays))
+        else:
+            kernel(*arrays)
+
+
+def _adamw_kernel(param, grad, m, v, scratch, *, b1, b2, step_size, v_correction, eps, decay):
+    """AdamW's rule on one piece, in place: every line one pass into an existing array (``scratch``
+    holds each intermediate), so a step makes no temporary of a parameter's size. The moments'
+    updates are written m += (1-β1)·g after m *= β1: the same two roundings as β1·m + (1-β1)·g."""
+    m *= b1
+    xp.multiply(grad, 1 - b1, out=scratch)
+    m += scratch
+    v *= b2
+    xp.multiply(grad, grad, out=scratch)
+    scratch *= 1 - b2
+    v += scratch
+    if decay != 1:
+        param *= decay  # decoupled: not part of the gradient
+    xp.multiply(v, v_correction, out=scratch)
+    xp.sqrt(scratch, out=scratch)
+    scratch += eps
+    xp.divide(m, scratch, out=scratch)
+    scratch *= step_size
+    param -= scratch
 
 
 def clip_grad_norm_(params, max_norm: float, total_norm: float | None = None) -> float:
