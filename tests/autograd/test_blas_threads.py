@@ -1,4 +1,6 @@
-"""NumPy's BLAS gets the elementwise kernels' share of the cores: one pool per rank, not one per core."""
+"""One pool per rank does the threading, products included: NumPy's BLAS runs one thread per call
+and tinytrain.autograd.threads cuts the products among its own threads (one pool, not two that take
+each other's cores), and the ranks on one machine share its cores."""
 
 import os
 import subprocess
@@ -7,7 +9,6 @@ import sys
 import pytest
 
 from tinytrain import backend
-from tinytrain.autograd import threads
 
 pytestmark = pytest.mark.skipif(backend.blas_threads() is None, reason="this NumPy's BLAS is not an OpenBLAS")
 
@@ -21,25 +22,26 @@ def test_blas_threads_sets_the_pool_and_says_its_size():
         backend.blas_threads(before)
 
 
-def test_the_environment_chooses_first(monkeypatch):
-    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        monkeypatch.delenv(name, raising=False)
-    assert threads.blas_thread_count() == threads.THREADS
-    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
-    assert threads.blas_thread_count() is None
-
-
-def _blas_threads_in_a_rank(**env) -> int:
-    """The BLAS pool of a fresh process that the launcher says shares this machine with env's ranks."""
+def _threads_in_a_rank(**env) -> tuple[int, int]:
+    """(tinytrain's threads, the BLAS's threads) of a fresh process with ``env`` (the launcher's
+    count of ranks on this machine, a user's OMP_NUM_THREADS or OPENBLAS_NUM_THREADS)."""
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
-    code = "import tinytrain.autograd; from tinytrain import backend; print(backend.blas_threads())"
+    code = (
+        "from tinytrain.autograd import threads; from tinytrain import backend; "
+        "print(threads.THREADS, backend.blas_threads())"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=clean | env, capture_output=True, text=True, check=True)
-    return int(out.stdout)
+    pool, blas = out.stdout.split()
+    return int(pool), int(blas)
+
+
+def test_the_blas_runs_one_thread_whatever_the_environment_asked():
+    cores = backend.usable_cores()
+    assert _threads_in_a_rank(MPI_LOCALNRANKS="1") == (cores, 1)
+    assert _threads_in_a_rank(MPI_LOCALNRANKS="1", OPENBLAS_NUM_THREADS=str(cores)) == (cores, 1)
 
 
 def test_ranks_on_one_machine_share_its_cores():
     cores = backend.usable_cores()
-    assert _blas_threads_in_a_rank(MPI_LOCALNRANKS=str(2 * cores)) == 1  # more ranks than cores: one each
-    assert _blas_threads_in_a_rank(MPI_LOCALNRANKS="1") == cores
-    # the user's setting stays (OpenBLAS takes at most one thread per core)
-    assert _blas_threads_in_a_rank(MPI_LOCALNRANKS=str(2 * cores), OPENBLAS_NUM_THREADS=str(cores)) == cores
+    assert _threads_in_a_rank(MPI_LOCALNRANKS=str(2 * cores)) == (1, 1)  # more ranks than cores: one each
+    assert _threads_in_a_rank(MPI_LOCALNRANKS=str(2 * cores), OMP_NUM_THREADS="3") == (3, 1)  # the user's setting

@@ -95,3 +95,21 @@ def test_thread_count_follows_omp_and_the_ranks_on_this_machine(monkeypatch):
     assert threads.thread_count() == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # an explicit setting wins
     assert threads.thread_count() == 3
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(7, 5, 3), (3, 5, 7), (1, 4, 9), (9, 4, 1), (2, 3, 2), (0, 3, 4), (4, 3, 0), (4, 0, 5)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+def test_products_in_pieces_give_the_product(rng, three_threads, monkeypatch, shape):
+    """threads.matmul cuts the rows (or, for a wider b, the columns) among 3 threads: the same
+    numbers as one product, with a bias, for transposed and strided operands, and for empty ones."""
+    monkeypatch.setattr(threads, "MIN_GEMM", 1)
+    m, k, n = shape
+    a, b, bias = rng.standard_normal((m, k)), rng.standard_normal((k, n)), rng.standard_normal(n)
+    assert_close(threads.matmul(a, b), a @ b, atol=1e-12, what="a @ b in pieces")
+    assert_close(threads.matmul(a, b, bias), a @ b + bias, atol=1e-12, what="a @ b + bias in pieces")
+    a_t = np.ascontiguousarray(a.T).T  # a transposed view: column-major
+    b_strided = np.repeat(b, 2, axis=1)[:, ::2]  # every other column of a wider array
+    assert_close(threads.matmul(a_t, b_strided), a @ b, atol=1e-12, what="transposed and strided operands")

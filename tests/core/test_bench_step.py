@@ -5,6 +5,7 @@ tinytrain step in a second worker, or one whose "thread pool" keeps spinning) st
 import argparse
 import json
 
+import numpy as np
 import pytest
 
 from tinytrain.bench import step as bench
@@ -117,3 +118,36 @@ def test_profile_option_and_the_long_config(tmp_path, capsys, monkeypatch):
     assert "long: per op, ms per step, 5 profiled steps each" in printed and "attention forward" in printed
     with pytest.raises(ValueError, match="--profile must be a positive number of steps"):
         bench.run(parser.parse_args(["--profile", "-1"]))
+
+
+def test_the_reference_is_pinned_where_pip_installs_it():
+    """pyproject's `bench` extra pins the PyTorch that PINNED_TORCH names, and only that one counts
+    as the pinned reference (a local build tag such as +cpu aside)."""
+    import pathlib
+    import re
+
+    pyproject = (pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text()
+    (extra,) = re.findall(r"^bench = \[(.*?)\]", pyproject, flags=re.M)
+    assert f'"torch=={bench.PINNED_TORCH}"' in extra
+    assert bench.pinned({"torch": f"{bench.PINNED_TORCH}+cpu"}) and bench.pinned({"torch": bench.PINNED_TORCH})
+    assert not bench.pinned({"torch": "2.14.1"}) and not bench.pinned({})
+
+
+def test_the_table_names_what_each_side_ran_on_and_marks_an_unpinned_reference(fakes, capsys, monkeypatch):
+    """The workers report their versions (NumPy, its BLAS, threads); a ratio against anything but
+    the pinned PyTorch is marked * and a line says so."""
+    row = bench.compare("default", steps=1, threads=1, reference=f"{fakes}:quiet_step", settle=0.0, warmup=2)
+    mine = row["versions"]["tinytrain"]
+    assert mine["numpy"] == np.__version__ and mine["threads"] == 1 and mine["blas"]
+    assert row["pinned_reference"] is False  # a stand-in, not PyTorch
+    monkeypatch.setattr(bench, "torch_available", lambda: True)
+    monkeypatch.setattr(bench, "compare", lambda *a, **k: row)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(["--configs", "default", "--steps", "1", "--threads", "1"])) == 0
+    printed = capsys.readouterr().out
+    assert "CPU: " in printed and f"tinytrain: tinytrain on NumPy {np.__version__}" in printed
+    assert f"{row['ratio']:5.2f}*" in printed
+    assert f"* not against the pinned reference: PyTorch {bench.PINNED_TORCH}" in printed
+    with pytest.raises(ValueError, match="--warmup must be 0 or more"):
+        bench.run(parser.parse_args(["--warmup", "-1"]))

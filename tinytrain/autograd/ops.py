@@ -37,6 +37,7 @@ import math
 
 import numpy
 
+from tinytrain.autograd import threads
 from tinytrain.autograd.engine import Function
 from tinytrain.autograd.threads import in_pieces
 from tinytrain.backend import index_add, is_low_precision, on_gpu, xp
@@ -63,12 +64,15 @@ def _sum(a, axis=None, keepdims=False):
 _NATIVE_LOW_MATMUL = on_gpu  # CuPy's fp16 GEMM accumulates in float32; NumPy has no fast one
 
 
-def _matmul(a, b):
-    """``a @ b``; low-precision operands are multiplied in float32 on NumPy, rounded once."""
+def _matmul(a, b, bias=None):
+    """``a @ b (+ bias)``; low-precision operands are multiplied in float32 on NumPy, rounded once.
+    A product of two 2-D arrays runs on every core (:func:`~tinytrain.autograd.threads.matmul`)."""
     low = a.dtype if is_low_precision(a.dtype) else b.dtype
-    if not is_low_precision(low) or (_NATIVE_LOW_MATMUL and a.dtype == b.dtype):
-        return a @ b
-    return (_up(a) @ _up(b)).astype(low)
+    if is_low_precision(low) and not (_NATIVE_LOW_MATMUL and a.dtype == b.dtype):
+        return _low(_matmul(_up(a), _up(b), None if bias is None else _up(bias)), low)
+    if a.ndim == 2 and b.ndim == 2:
+        return threads.matmul(a, b, bias)
+    return a @ b if bias is None else a @ b + bias
 
 
 def unbroadcast(grad, shape):
@@ -231,16 +235,7 @@ class Linear(Function):
         ctx.has_bias = bias is not None
         # Fold the batch axes into rows: one (rows, in) @ (in, out) GEMM. A (B, T, in) @ (in, out)
         # product is a batch of B small GEMMs in NumPy, about 3x slower for a GPT's shapes.
-        rows = x.reshape(-1, x.shape[-1])
-        if is_low_precision(x.dtype) and not _NATIVE_LOW_MATMUL:  # float32 GEMM + bias, rounded once
-            out = _up(rows) @ _up(weight)
-            if bias is not None:
-                out += bias
-            out = out.astype(x.dtype)
-        else:
-            out = rows @ weight
-            if bias is not None:
-                out += bias
+        out = _matmul(x.reshape(-1, x.shape[-1]), weight, bias)  # low precision: float32 GEMM + bias, rounded once
         return out.reshape(x.shape[:-1] + (weight.shape[1],))
 
     @staticmethod

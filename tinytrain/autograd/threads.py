@@ -12,21 +12,28 @@ reduction (a mean, a max) gives the same numbers in any number of pieces.
                                                piece 1 → thread 1
                                                ...        all at once; kernel(piece) writes in place
 
-How many threads: ``OMP_NUM_THREADS`` when set (the setting BLAS and PyTorch read too), else the
-CPUs divided among the ranks that the MPI launcher put on this machine (so 4 ranks on 2 cores do
-not each start 2 threads). NumPy's BLAS (the matrix products) gets the same share, set when this
-module loads (``backend.blas_threads``), unless ``OMP_NUM_THREADS`` or ``OPENBLAS_NUM_THREADS``
-chose its pool already: OpenBLAS by itself starts one thread per core in every rank, and 2 ranks
-on 2 cores then ran 4 BLAS threads that spin while they wait (``mpirun -n 2 tinytrain train --dp
-2``: 9k tokens/s against 20-30k with one BLAS thread per rank).
+One pool does it all, matrix products included: NumPy's BLAS runs one thread per call
+(``backend.blas_threads(1)``, set when this module loads), and :func:`matmul` cuts a product's
+rows (or columns) into one piece per thread, each piece one single-threaded BLAS call. Why not
+the BLAS's own threads for the products: after each product they keep spinning on their cores for
+a while, waiting for the next one, and a kernel that runs in pieces next (the GELU after a linear,
+the attention after q, k, v) then finds its second core taken: the long model's attention took
+8.7 ms after a 512³ product instead of 4.1 ms. PyTorch has one pool too: its OpenMP threads run
+both its products and its elementwise loops.
+
+How many threads: ``OMP_NUM_THREADS`` when set (the setting PyTorch reads too), else the CPUs
+divided among the ranks that the MPI launcher put on this machine (so 4 ranks on 2 cores do not
+each start 2 threads: ``mpirun -n 2 tinytrain train --dp 2`` ran 9k tokens/s against 20-30k when
+OpenBLAS started its own thread per core in every rank).
 
 On a GPU (CuPy) the kernel runs once on the whole arrays: the device is parallel already. Arrays
-smaller than ``MIN_PIECE`` entries per thread run in one piece too: handing work to a thread costs
-some tens of microseconds.
+smaller than ``MIN_PIECE`` entries per thread run in one piece too, and products of fewer than
+``MIN_GEMM`` multiply-adds per thread: handing work to a thread costs some tens of microseconds.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,6 +42,7 @@ import numpy
 from tinytrain.backend import blas_threads, launcher_ranks_here, usable_cores, xp
 
 MIN_PIECE = 1 << 16  # entries per thread below which one thread does it all
+MIN_GEMM = 1 << 20  # multiply-adds per thread below which one thread does a product
 
 
 def thread_count() -> int:
@@ -45,25 +53,19 @@ def thread_count() -> int:
     return max(1, usable_cores() // launcher_ranks_here())
 
 
-def blas_thread_count() -> int | None:
-    """Threads for the BLAS: :data:`THREADS`, or None where the environment chose them already."""
-    if any(os.environ.get(name, "").strip() for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")):
-        return None
-    return THREADS
-
-
 THREADS = thread_count()
-if blas_thread_count() is not None:
-    blas_threads(blas_thread_count())
+if xp is numpy:
+    blas_threads(1)  # the products' threads are this module's (see the module docstring)
 _pool: list = [None]  # the worker threads (THREADS - 1 of them; the caller is the first), made on first use
 
 
-def in_pieces(kernel, *arrays) -> None:
+def in_pieces(kernel, *arrays, pieces: int | None = None) -> None:
     """Run ``kernel(*pieces)`` on pieces of ``arrays`` cut along their first axis (all have the same
     first axis), one piece per thread, at the same time; returns when every piece is done. The
-    kernel writes its results into some of the arrays (``out=``, in place)."""
+    kernel writes its results into some of the arrays (``out=``, in place). How many pieces: at
+    most ``pieces`` (default: by the first array's size, ``MIN_PIECE`` entries each at least)."""
     rows = arrays[0].shape[0]
-    pieces = min(THREADS, rows, arrays[0].size // MIN_PIECE)
+    pieces = min(THREADS, rows, arrays[0].size // MIN_PIECE if pieces is None else pieces)
     if xp is not numpy or pieces <= 1:
         kernel(*arrays)
         return
@@ -74,3 +76,32 @@ def in_pieces(kernel, *arrays) -> None:
     kernel(*(a[: bounds[1]] for a in arrays))  # the first piece on this thread
     for done in others:
         done.result()  # waits; re-raises a kernel's error here
+
+
+def matmul(a, b, bias=None):
+    """``a @ b (+ bias)`` of 2-D arrays, on every core: the rows of a and of the result cut into
+    one piece per thread (the columns of b and of the result where b is the wider), each piece one
+    single-threaded BLAS call; ``bias`` (one entry per column) is added to each piece while it is
+    still in cache, as a BLAS's C = A·B + C would."""
+    (m, k), n = a.shape, b.shape[1]
+    out = xp.empty((m, n), dtype=numpy.result_type(a.dtype, b.dtype))
+    pieces = m * k * n // MIN_GEMM
+    bias = () if bias is None else (bias,)
+    if m >= n:
+        in_pieces(functools.partial(_product_rows, b=b, bias=bias), a, out, pieces=pieces)
+    else:  # b's columns are b.T's rows: cut b.T, out.T (and the bias) along their first axis
+        in_pieces(functools.partial(_product_columns, a=a), b.T, out.T, *bias, pieces=pieces)
+    return out
+
+
+def _product_rows(a_rows, out_rows, b, bias):
+    xp.matmul(a_rows, b, out=out_rows)
+    for column_bias in bias:
+        out_rows += column_bias
+
+
+def _product_columns(b_columns_t, out_columns_t, *bias, a):
+    out_columns = out_columns_t.T
+    xp.matmul(a, b_columns_t.T, out=out_columns)
+    for column_bias in bias:
+        out_columns += column_bias

@@ -8,9 +8,18 @@ their work, so timed in one process each framework runs while the other's pool t
 
 The parent alternates runs of ``--block`` steps (tinytrain's block, PyTorch's block, ...) so that
 load from elsewhere hits both alike; between blocks it waits ``--settle`` seconds, longer than
-either pool spins, and the worker not being timed waits asleep on its pipe. The ratio of the
-medians is reported. The first step's losses are compared too: if they differ, the two models are
-not the same model and the timing would mean nothing.
+either pool spins, and the worker not being timed waits asleep on its pipe. Each run starts with
+``--warmup`` untimed steps (default 1): in a training loop a step follows a step, and the first
+one after a pause pays for waking both frameworks' thread pools (and, on a virtual machine, its
+idle cores), which no step of a loop pays. The ratio of the medians is reported.
+
+The reference is pinned: ``pip install -e ".[bench]"`` installs PyTorch ``PINNED_TORCH``, and the
+table's head names the CPU, each framework's threads, NumPy's BLAS and PyTorch's version and BLAS.
+Against another PyTorch the ratios are marked ``*`` and a line says that they are not against the
+pinned reference (the same bench gave ratios 40 % apart between PyTorch 2.13 and 2.14).
+
+The first step's losses are compared too: if they differ, the two models are not the same model
+and the timing would mean nothing.
 
 The printed check: while one worker's block runs, the parent reads from ``/proc`` how much CPU the
 other worker used. That is the distortion this design removes; above ``IDLE_LIMIT`` of one core the
@@ -52,6 +61,10 @@ FRAMEWORKS = {"tinytrain": f"{__name__}:tinytrain_step", "torch": f"{__name__}:t
 # name -> "module:function" timing steps per op (see tinytrain_profile); any other reference is a
 # tinytrain step (the tests' stand-ins), profiled as tinytrain
 PROFILERS = {"torch": f"{__name__}:torch_profile"}
+# The PyTorch the ratios are measured against (pyproject's `bench` extra pins the same; a test checks):
+# 2.13.0's CPU build is the one this machine class has on disk for Python 3.11, so `pip install`
+# takes it in seconds and offline, where an unpinned `torch` pulls a CUDA build of several GB.
+PINNED_TORCH = "2.13.0"
 IDLE_LIMIT = 0.10  # of one core: more CPU than this from the idle worker while the other is timed
 _WAIT_S = 600.0  # the longest one block (or a worker's start) may take
 
@@ -63,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # One step per run: on a machine with bursts of other load, a burst then hits both frameworks
     # alike (with runs of 5 steps, one burst could land on one side only and swing the ratio).
     p.add_argument("--block", type=int, default=1, help="steps per alternating run of one framework")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="untimed steps starting each run (in a loop, steps follow steps)"
+    )
     p.add_argument("--settle", type=float, default=0.3, help="seconds between runs (idle thread pools stop spinning)")
     p.add_argument("--json", default=None, help="write the rows to this file")
     p.add_argument(
@@ -273,9 +289,10 @@ def torch_available() -> bool:
 
 
 def _worker(framework: str, name: str, threads: int) -> int:
-    """Build the step, run the warm-up step (reported: its loss), then on each ``run K`` line run K
-    timed steps and reply with their seconds, on each ``profile K`` line profile K steps and reply
-    with seconds per step per op; quit on EOF. One JSON line per reply."""
+    """Build the step, run the warm-up step (reported: its loss, and what the framework runs on),
+    then on each ``run K W`` line run W untimed and K timed steps and reply with the K seconds, on
+    each ``profile K`` line profile K steps and reply with seconds per step per op; quit on EOF.
+    One JSON line per reply."""
     try:
         from threadpoolctl import threadpool_limits
 
@@ -284,20 +301,71 @@ def _worker(framework: str, name: str, threads: int) -> int:
         pass  # OPENBLAS_NUM_THREADS, set by the parent before NumPy started, does it
     module, function = FRAMEWORKS.get(framework, framework).split(":")
     step = getattr(importlib.import_module(module), function)(name, threads)
-    print(json.dumps({"first_loss": step()}), flush=True)  # also the warm-up step
+    first = {"first_loss": step()}  # also the warm-up step
+    first["versions"] = torch_versions() if framework == "torch" else tinytrain_versions()
+    print(json.dumps(first), flush=True)
     for line in sys.stdin:
         if line.startswith("profile"):
             module, function = PROFILERS.get(framework, f"{__name__}:tinytrain_profile").split(":")
             profiler = getattr(importlib.import_module(module), function)
             print(json.dumps({"ops": profiler(step, int(line.split()[1]))}), flush=True)
             continue
+        steps, warmup = (int(word) for word in line.split()[1:3])
+        for _ in range(warmup):
+            step()
         times = []
-        for _ in range(int(line.split()[1])):
+        for _ in range(steps):
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
         print(json.dumps({"seconds": times}), flush=True)
     return 0
+
+
+def tinytrain_versions() -> dict:
+    """What a tinytrain step runs on: NumPy, its BLAS (name and version, as NumPy was built with it),
+    the threads of tinytrain's pool and of that BLAS (one: the pool cuts the products itself)."""
+    from tinytrain import backend
+    from tinytrain.autograd import threads
+
+    blas = getattr(numpy, "__config__", None)
+    blas = getattr(blas, "CONFIG", {}).get("Build Dependencies", {}).get("blas", {})
+    return {
+        "framework": "tinytrain",
+        "numpy": numpy.__version__,
+        "blas": f"{blas.get('name', '?')} {blas.get('version', '?')}",
+        "threads": threads.THREADS,
+        "blas_threads": backend.blas_threads(),
+    }
+
+
+def torch_versions() -> dict:
+    """What the PyTorch step runs on: its version, its BLAS (from its build settings) and threads."""
+    import torch
+
+    settings = torch.__config__.show()
+    blas = settings.split("BLAS_INFO=", 1)[1].split(",", 1)[0] if "BLAS_INFO=" in settings else "?"
+    return {"framework": "torch", "torch": torch.__version__, "blas": blas, "threads": torch.get_num_threads()}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what the platform module says."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def pinned(versions: dict) -> bool:
+    """Whether a PyTorch worker's ``versions`` are the pinned reference's (a local build tag such
+    as ``+cpu`` aside)."""
+    return versions.get("torch", "").split("+")[0] == PINNED_TORCH
 
 
 def schedstat(pid: int) -> tuple[float, float] | None:
@@ -332,11 +400,12 @@ class Worker:
         )
         command = [sys.executable, "-m", __name__, "--worker", framework, name, str(threads)]
         self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.first_loss = self._reply()["first_loss"]
+        first = self._reply()
+        self.first_loss, self.versions = first["first_loss"], first.get("versions", {})
 
-    def run(self, steps: int) -> list[float]:
-        """Seconds of each of ``steps`` steps, run now."""
-        self.proc.stdin.write(f"run {steps}\n".encode())
+    def run(self, steps: int, warmup: int = 0) -> list[float]:
+        """Seconds of each of ``steps`` steps, run now after ``warmup`` untimed ones."""
+        self.proc.stdin.write(f"run {steps} {warmup}\n".encode())
         self.proc.stdin.flush()
         return self._reply()["seconds"]
 
@@ -369,11 +438,12 @@ class Worker:
                 self.proc.wait()
 
 
-def alternate(workers: list, steps: int, block: int, settle: float) -> tuple[list, list]:
+def alternate(workers: list, steps: int, block: int, settle: float, warmup: int = 0) -> tuple[list, list]:
     """Runs of ``block`` steps of each worker in turn until each ran ``steps``: (each one's seconds
     per step, each one's idle CPU: the most CPU, as a share of one core, that it used during another
     worker's run). A worker not being timed waits asleep on its pipe; ``settle`` seconds between runs
-    let the last run's thread pool stop spinning before the next one starts."""
+    let the last run's thread pool stop spinning before the next one starts; each run begins with
+    ``warmup`` untimed steps."""
     times, idle = [[] for _ in workers], [0.0 for _ in workers]
     while len(times[0]) < steps:
         k = min(block, steps - len(times[0]))
@@ -381,7 +451,7 @@ def alternate(workers: list, steps: int, block: int, settle: float) -> tuple[lis
             time.sleep(settle)
             others = [(j, w.cpu_seconds()) for j, w in enumerate(workers) if j != i]
             start = time.perf_counter()
-            times[i] += worker.run(k)
+            times[i] += worker.run(k, warmup)
             wall = time.perf_counter() - start
             for j, before in others:
                 after = workers[j].cpu_seconds()
@@ -391,7 +461,14 @@ def alternate(workers: list, steps: int, block: int, settle: float) -> tuple[lis
 
 
 def compare(
-    name: str, steps: int, threads: int, reference: str = "torch", block: int = 5, settle: float = 0.3, profile: int = 0
+    name: str,
+    steps: int,
+    threads: int,
+    reference: str = "torch",
+    block: int = 5,
+    settle: float = 0.3,
+    profile: int = 0,
+    warmup: int = 1,
 ) -> dict:
     """One row: config ``name`` timed in a tinytrain worker and a ``reference`` worker, alternating;
     with ``profile`` steps, also each one's seconds per step per op (``row["ops"]``), one after the
@@ -410,7 +487,8 @@ def compare(
         first = [w.first_loss for w in workers]
         if reference and abs(first[0] - first[1]) > 1e-3 * max(1.0, abs(first[1])):
             raise RuntimeError(f"models differ: first loss {first[0]} (tinytrain) vs {first[1]} ({reference})")
-        times, idle = alternate(workers, steps, block, settle)
+        times, idle = alternate(workers, steps, block, settle, warmup)
+        row["versions"] = {w.framework: w.versions for w in workers}
         if profile:
             row["ops"] = {}
             for w in workers:
@@ -426,6 +504,7 @@ def compare(
     if reference:
         row.update(torch_ms=1e3 * statistics.median(times[1]), first_loss_diff=abs(first[0] - first[1]))
         row["ratio"] = row["tinytrain_ms"] / row["torch_ms"]
+        row["pinned_reference"] = reference == "torch" and pinned(workers[1].versions)
     return row
 
 
@@ -440,6 +519,8 @@ def run(args) -> int:
         raise ValueError(f"--profile must be a positive number of steps, got {args.profile}")
     if args.settle < 0:
         raise ValueError(f"--settle must be 0 or more seconds, got {args.settle}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be 0 or more steps, got {args.warmup}")
     threads = args.threads or os.cpu_count()
     reference = "torch" if torch_available() else None
     if reference is None:
@@ -451,18 +532,25 @@ def run(args) -> int:
         print(f"note: tinytrain runs on its {device} device here; PyTorch on the GPU if it can", flush=True)
     print(
         f"one training step (forward + backward + AdamW), float32, {threads} threads each, median of {args.steps}; "
-        f"each framework in its own process, runs of {args.block} steps alternating"
+        f"each framework in its own process, runs of {args.block} steps alternating, "
+        f"each after {args.warmup} untimed"
     )
-    print(
-        f"{'config':<8} {'params':>10} {'tokens':>7} {'tinytrain ms':>13} {'torch ms':>9} {'ratio':>6}"
-        "  idle-neighbour check"
-    )
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores seen")
     rows = []
     for name in args.configs:
-        row = compare(name, args.steps, threads, reference, args.block, args.settle, args.profile)
+        row = compare(name, args.steps, threads, reference, args.block, args.settle, args.profile, args.warmup)
+        if not rows:  # the workers say what they run on: the same for every config
+            for line in versions_lines(row):
+                print(line)
+            print(
+                f"{'config':<8} {'params':>10} {'tokens':>7} {'tinytrain ms':>13} {'torch ms':>9} {'ratio':>6}"
+                "  idle-neighbour check"
+            )
         rows.append(row)
         torch_ms = f"{row['torch_ms']:9.2f}" if "torch_ms" in row else f"{'-':>9}"
         ratio = f"{row['ratio']:5.2f}x" if "ratio" in row else f"{'-':>6}"
+        if "ratio" in row and not row["pinned_reference"]:
+            ratio = ratio[:-1] + "*"
         print(
             f"{name:<8} {row['params']:>10,} {row['tokens']:>7} {row['tinytrain_ms']:13.2f} {torch_ms} {ratio}"
             f"  {_check(row)}",
@@ -471,6 +559,11 @@ def run(args) -> int:
         if args.profile:
             print(profile_table(row, args.profile), flush=True)
     print("ratio = tinytrain step time / PyTorch step time (above 1: tinytrain slower; 1.0 = as fast)")
+    if any("ratio" in row and not row["pinned_reference"] for row in rows):
+        print(
+            f"* not against the pinned reference: PyTorch {PINNED_TORCH} is what these ratios are measured against "
+            '(`pip install -e ".[bench]"`); another PyTorch gives other ratios, so compare these with care'
+        )
     print(
         f"idle-neighbour check: CPU the worker not being timed used meanwhile, in % of one core "
         f"(DISTURBED above {100 * IDLE_LIMIT:.0f}%: the timings include the other's thread pool)"
@@ -479,6 +572,20 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def versions_lines(row: dict) -> list[str]:
+    """What each worker of ``row`` ran on, one line each."""
+    lines = []
+    for name, v in row.get("versions", {}).items():
+        if v.get("framework") == "torch":
+            lines.append(f"{name}: PyTorch {v['torch']} (BLAS {v['blas']}), {v['threads']} threads")
+        elif v:
+            lines.append(
+                f"{name}: tinytrain on NumPy {v['numpy']} (BLAS {v['blas']}), {v['threads']} threads "
+                f"(its BLAS: {v['blas_threads']} per product piece)"
+            )
+    return lines
 
 
 def profile_table(row: dict, steps: int) -> str:
