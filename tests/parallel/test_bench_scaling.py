@@ -38,11 +38,14 @@ def test_every_layout_has_a_row_whose_figures_add_up(tmp_path, capsys):
         assert all(q is None or q >= 0 for q in (r["serial_queued"], r["parallel_queued"]))
         assert r["loss_diff"] < 1e-4, r["layout"]  # the layout trains the serial curve
     by_layout = {r["layout"]: r for r in rows}
-    assert by_layout["dp"]["plan"] == "--dp 2" and by_layout["dp"]["target_speedup"] == 1.7
+    assert by_layout["dp"]["plan"] == "--dp 2" and by_layout["dp"]["target_speedup"] == 0.9
     assert by_layout["pp"]["plan"] == "--pp 2 --microbatches 8 --schedule 1f1b"
     assert by_layout["tp"]["target_speedup"] is None  # judged on the wide model, not this one
     # DP's ideal: a serial step on one replica's rows, timed beside; only DP has one
     assert by_layout["dp"]["ideal_speedup"] > 0
+    # judged as a share of its ideal, and beside the ideal with both cores busy (no messages)
+    assert by_layout["dp"]["of_ideal"] == pytest.approx(by_layout["dp"]["speedup"] / by_layout["dp"]["ideal_speedup"])
+    assert by_layout["dp"]["ideal_speedup_both_busy"] > 0 and by_layout["tp"]["of_ideal"] is None
     assert by_layout["tp"]["ideal_speedup"] is None and by_layout["pp"]["ideal_speedup"] is None
     # every layout talks: TP all-reduces activations, PP sends them, DP waits for the last bucket
     assert all(r["comm_share"] > 0 for r in rows)
