@@ -54,8 +54,7 @@ def thread_count() -> int:
 
 
 THREADS = thread_count()
-if xp is numpy:
-    blas_threads(1)  # the products' threads are this module's (see the module docstring)
+blas_threads(1)  # the products' threads are this module's (see the module docstring)
 _pool: list = [None]  # the worker threads (THREADS - 1 of them; the caller is the first), made on first use
 
 
