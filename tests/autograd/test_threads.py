@@ -8,7 +8,7 @@ import pytest
 
 import tinytrain.functional as F
 from tinytrain.autograd import Tensor, threads
-from tinytrain.backend import on_device
+from tinytrain.backend import on_device, to_host, xp
 from tinytrain.testing import assert_close, gradcheck
 
 
@@ -108,8 +108,12 @@ def test_products_in_pieces_give_the_product(rng, three_threads, monkeypatch, sh
     monkeypatch.setattr(threads, "MIN_GEMM", 1)
     m, k, n = shape
     a, b, bias = rng.standard_normal((m, k)), rng.standard_normal((k, n)), rng.standard_normal(n)
-    assert_close(threads.matmul(a, b), a @ b, atol=1e-12, what="a @ b in pieces")
-    assert_close(threads.matmul(a, b, bias), a @ b + bias, atol=1e-12, what="a @ b + bias in pieces")
-    a_t = np.ascontiguousarray(a.T).T  # a transposed view: column-major
-    b_strided = np.repeat(b, 2, axis=1)[:, ::2]  # every other column of a wider array
-    assert_close(threads.matmul(a_t, b_strided), a @ b, atol=1e-12, what="transposed and strided operands")
+
+    def product(a, b, bias=None):  # on the backend's arrays (a device's too), back on the host
+        return to_host(threads.matmul(xp.asarray(a), xp.asarray(b), None if bias is None else xp.asarray(bias)))
+
+    assert_close(product(a, b), a @ b, atol=1e-12, what="a @ b in pieces")
+    assert_close(product(a, b, bias), a @ b + bias, atol=1e-12, what="a @ b + bias in pieces")
+    a_t = xp.ascontiguousarray(xp.asarray(a).T).T  # a transposed view: column-major
+    b_strided = xp.repeat(xp.asarray(b), 2, axis=1)[:, ::2]  # every other column of a wider array
+    assert_close(to_host(threads.matmul(a_t, b_strided)), a @ b, atol=1e-12, what="transposed and strided operands")
