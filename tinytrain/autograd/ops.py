@@ -962,9 +962,10 @@ class ScaledDotProductAttention(Function):
         # probabilities rounded to it; the output is rounded once.
         kept, dtype = (q, k, v), v.dtype
         batch = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-        scale = _up(q).dtype.type(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+        q32 = _up(q)
+        scale = q32.dtype.type(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
         # q scaled once here: (T, D) entries instead of (T, T) scores
-        q3, k3, v3 = (_flat_batch(a, batch) for a in (_up(q) * scale, _up(k), _up(v)))
+        q3, k3, v3 = (_flat_batch(a, batch) for a in (q32 * scale, _up(k), _up(v)))
         blocks = _query_blocks(T, S, causal)
         out = xp.empty(q3.shape[:1] + (T, v.shape[-1]), dtype=v3.dtype)
         probs = [xp.empty((q3.shape[0], hi - lo, keys), dtype=v3.dtype) for lo, hi, keys in blocks]
