@@ -17,6 +17,7 @@ def three_threads(monkeypatch):
     """Three threads, and pieces however small: the threaded path even on tiny test arrays."""
     monkeypatch.setattr(threads, "THREADS", 3)
     monkeypatch.setattr(threads, "MIN_PIECE", 1)
+    monkeypatch.setattr(threads, "MIN_CAST_PIECE", 1)
     monkeypatch.setattr(threads, "_pool", [None])
     yield
     if threads._pool[0] is not None:
@@ -117,3 +118,45 @@ def test_products_in_pieces_give_the_product(rng, three_threads, monkeypatch, sh
     a_t = xp.ascontiguousarray(xp.asarray(a).T).T  # a transposed view: column-major
     b_strided = xp.repeat(xp.asarray(b), 2, axis=1)[:, ::2]  # every other column of a wider array
     assert_close(to_host(threads.matmul(a_t, b_strided)), a @ b, atol=1e-12, what="transposed and strided operands")
+
+
+def _f32_hard_values():
+    """float32 values at every edge of float16 and bfloat16: zeros, float16's subnormals and the
+    ties between them, its smallest normal, its largest finite and the overflow past it, infinities,
+    NaN, float32's own subnormals; each with both signs."""
+    tiny = 2.0**-24  # float16's smallest subnormal
+    values = [0.0, tiny / 2, tiny / 2 * 1.0001, tiny, tiny * 1.5, tiny * 2.5, tiny * 1023.5, 2.0**-14 * (1 - 2**-12)]
+    values += [2.0**-14, 1.0, 65504.0, 65519.0, 65520.0, 1e6, np.inf, np.nan, 1e-40, 3.0e38]
+    return np.array(values + [-v for v in values], dtype=np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided", "3 ranks of rows"])
+def test_cast_gives_astypes_bits_in_any_layout(rng, three_threads, dtype, layout):
+    # Drawn values spanning float16's subnormal range (where the cast takes its own path) and
+    # beyond, with the hard values planted among them.
+    drawn = rng.standard_normal(3000) * np.exp(rng.uniform(-25, 3, 3000))
+    flat = np.concatenate([_f32_hard_values(), drawn.astype(np.float32)])
+    a = {
+        "contiguous": flat[:3000].reshape(100, 30),
+        "transposed": flat[:3000].reshape(30, 100).T,
+        "strided": flat[:3000].reshape(100, 30)[:, ::3],
+        "3 ranks of rows": flat[:3003].reshape(3, 1001),
+    }[layout]
+    target = np.dtype(dtype) if dtype == "float16" else np.dtype(__import__("ml_dtypes").bfloat16)
+    with np.errstate(all="ignore"):
+        expected = a.astype(target)
+        got = to_host(threads.cast(xp.asarray(a), target))
+    assert got.dtype == target and got.shape == a.shape
+    assert (got.view(np.uint16) == expected.view(np.uint16)).all(), f"{layout}: bits differ from astype's"
+    back = to_host(threads.cast(xp.asarray(expected), np.float32))
+    assert (np.isnan(back) == np.isnan(expected.astype(np.float32))).all()
+    assert (back[~np.isnan(back)] == expected.astype(np.float32)[~np.isnan(back)]).all(), "the way back is exact"
+
+
+def test_cast_into_out_writes_every_entry(rng, three_threads):
+    a = rng.standard_normal((7, 5)).astype(np.float32) * 1e-6  # float16 subnormals
+    out = xp.zeros((7, 5), dtype=np.float16)
+    assert threads.cast(xp.asarray(a), np.float16, out=out) is out
+    with np.errstate(all="ignore"):
+        assert (to_host(out).view(np.uint16) == a.astype(np.float16).view(np.uint16)).all()

@@ -46,12 +46,12 @@ from tinytrain.backend import index_add, is_low_precision, on_gpu, xp
 def _up(a):
     """``a`` in float32 if it is a low-precision array, else ``a`` itself (no copy): where an op
     computes in float32 (see the module docstring)."""
-    return a.astype(xp.float32) if is_low_precision(a.dtype) else a
+    return threads.cast(a, xp.float32) if is_low_precision(a.dtype) else a
 
 
 def _low(a, dtype):
     """``a`` rounded to ``dtype`` when that is a low precision (what an op computed in float32)."""
-    return a.astype(dtype) if is_low_precision(dtype) and a.dtype != dtype else a
+    return threads.cast(a, dtype) if is_low_precision(dtype) and a.dtype != dtype else a
 
 
 def _sum(a, axis=None, keepdims=False):
@@ -73,6 +73,13 @@ def _matmul(a, b, bias=None):
     if a.ndim == 2 and b.ndim == 2:
         return threads.matmul(a, b, bias)
     return a @ b if bias is None else a @ b + bias
+
+
+def _gemm_operand(a):
+    """``a`` as :func:`_matmul` multiplies it: in float32 where a low precision is multiplied in
+    float32 (NumPy), converted here once for an operand of two products (a gradient in backward),
+    instead of once in each; the products still round to the other operand's low dtype."""
+    return a if _NATIVE_LOW_MATMUL else _up(a)
 
 
 def unbroadcast(grad, shape):
@@ -214,6 +221,7 @@ class MatMul(Function):
     def backward(ctx, grad):
         a, b = ctx.saved
         ga = gb = None
+        grad = _gemm_operand(grad) if a.dtype == b.dtype else grad  # (the products' dtype is theirs)
         if ctx.needs_input_grad[0]:
             ga = unbroadcast(_matmul(grad, xp.swapaxes(b, -1, -2)), a.shape)
         if ctx.needs_input_grad[1]:
@@ -241,10 +249,10 @@ class Linear(Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved
-        g2 = grad.reshape(-1, grad.shape[-1])
+        dtype, g2 = grad.dtype, _gemm_operand(grad.reshape(-1, grad.shape[-1]))
         gx = _matmul(g2, weight.T).reshape(x.shape) if ctx.needs_input_grad[0] else None
         gw = _matmul(x.reshape(-1, x.shape[-1]).T, g2) if ctx.needs_input_grad[1] else None
-        gb = _sum(g2, axis=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gb = _low(_sum(g2, axis=0), dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
 
 
