@@ -39,6 +39,14 @@ def spinning_step(name, threads):
     return step_then_spin
 
 
+def any_precision_step(name, threads, precision="fp32"):
+    return tinytrain_step(name, threads, precision)
+
+
+def float32_only_step(name, threads, precision="fp32"):
+    return tinytrain_step(name, threads)  # ignores the precision asked for
+
+
 def other_model_step(name, threads):
     step = tinytrain_step(name, threads)
     return lambda: step() + 1.0
@@ -68,6 +76,26 @@ def test_the_check_catches_a_neighbour_whose_threads_keep_spinning(fakes):
     assert bench._check(row).startswith("DISTURBED: ")
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_precision_times_each_framework_in_16_bits_beside_its_float32(fakes, precision):
+    row = bench.compare("default", steps=2, threads=1, reference=f"{fakes}:any_precision_step", precision=precision)
+    ref = f"{fakes}:any_precision_step"
+    assert set(row["idle_cpu"]) == {"tinytrain", ref, f"tinytrain {precision}", f"{ref} {precision}"}
+    assert row["low_ratio"] == pytest.approx(row["tinytrain_low_ms"] / row["tinytrain_ms"])
+    assert row["torch_low_ratio"] == pytest.approx(row["torch_low_ms"] / row["torch_ms"])
+    assert row["low_vs_torch"] == pytest.approx(row["tinytrain_low_ms"] / row["torch_low_ms"])
+    losses = row["first_losses"]
+    # the 16-bit model is the float32 one rounded: a loss near float32's, not equal to it
+    assert losses[f"tinytrain {precision}"] != losses["tinytrain"]
+    assert losses[f"tinytrain {precision}"] == pytest.approx(losses["tinytrain"], rel=bench.LOW_PRECISION_LOSS)
+    assert f"{precision}: tinytrain " in bench.low_precision_line(row) and "x its fp32" in bench.low_precision_line(row)
+
+
+def test_a_reference_that_stays_in_float32_under_precision_is_refused(fakes):
+    with pytest.raises(RuntimeError, match="in bf16: the first loss is float32's to the last bit"):
+        bench.compare("default", steps=1, threads=1, reference=f"{fakes}:float32_only_step", precision="bf16")
+
+
 def test_different_models_are_refused(fakes):
     with pytest.raises(RuntimeError, match="models differ: first loss"):
         bench.compare("default", steps=1, threads=1, reference=f"{fakes}:other_model_step")
@@ -86,6 +114,22 @@ def test_without_torch_tinytrain_is_timed_alone_and_the_table_says_so(tmp_path, 
     assert "- (tinytrain alone)" in printed
     (row,) = json.loads(out.read_text())
     assert row["config"] == "default" and row["tinytrain_ms"] > 0 and "ratio" not in row
+
+
+def test_precision_alone_prints_tinytrains_16_bit_step_over_its_float32(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "torch_available", lambda: False)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "rows.json"
+    argv = ["--configs", "default", "--steps", "1", "--threads", "1", "--precision", "bf16", "--json", str(out)]
+    assert bench.run(parser.parse_args(argv)) == 0
+    printed = capsys.readouterr().out
+    (row,) = json.loads(out.read_text())
+    assert "float32 and bf16" in printed and f"bf16: tinytrain {row['tinytrain_low_ms']:.2f} ms" in printed
+    assert "torch_low_ms" not in row
+    assert row["low_ratio"] == pytest.approx(row["tinytrain_low_ms"] / row["tinytrain_ms"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--precision", "int8"])
 
 
 def test_profile_times_each_op_in_each_worker(fakes):

@@ -25,6 +25,13 @@ The printed check: while one worker's block runs, the parent reads from ``/proc`
 other worker used. That is the distortion this design removes; above ``IDLE_LIMIT`` of one core the
 row says ``DISTURBED`` (``idle_cpu`` in ``--json``), so the distortion cannot come back unseen.
 
+``--precision bf16|fp16`` adds two workers, each framework in 16 bits, alternating with the float32
+two: tinytrain as ``tinytrain train --precision`` steps (a 16-bit model, float32 master weights,
+fp16's loss scaler), PyTorch under ``torch.autocast`` (float32 weights, 16-bit products; fp16 with
+its GradScaler). Each 16-bit step is reported over its own framework's float32 step: what mixed
+precision costs or saves on this CPU (PyTorch's bf16 products run on the CPU's bf16 instructions
+where it has them; NumPy has none, so tinytrain converts to float32 and back around each op).
+
 A step is: forward, cross-entropy, backward, AdamW update. PyTorch uses its fused
 ``scaled_dot_product_attention``; tinytrain uses its own fused attention Function.
 """
@@ -44,9 +51,10 @@ import time
 import numpy
 
 from tinytrain import functional as F
-from tinytrain.backend import device, to_host, xp
+from tinytrain.autograd import loss_scaling
+from tinytrain.backend import device, precision_dtype, to_host, xp
 from tinytrain.nn import GPT, GPTConfig
-from tinytrain.optim import AdamW
+from tinytrain.optim import AdamW, LossScaler
 
 CONFIGS = {
     # the default `tinytrain train` model on the addition task
@@ -65,6 +73,9 @@ PROFILERS = {"torch": f"{__name__}:torch_profile"}
 # 2.13.0's CPU build is the one this machine class has on disk for Python 3.11, so `pip install`
 # takes it in seconds and offline, where an unpinned `torch` pulls a CUDA build of several GB.
 PINNED_TORCH = "2.13.0"
+# |first loss in 16 bits - in float32| / the float32 loss above which a 16-bit step is not the same model
+# (a GPT's initial loss, log(vocab), moves by about 1e-3 in bf16 rounding; 5e-2 is a different model)
+LOW_PRECISION_LOSS = 5e-2
 IDLE_LIMIT = 0.10  # of one core: more CPU than this from the idle worker while the other is timed
 _WAIT_S = 600.0  # the longest one block (or a worker's start) may take
 
@@ -80,6 +91,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--warmup", type=int, default=1, help="untimed steps starting each run (in a loop, steps follow steps)"
     )
     p.add_argument("--settle", type=float, default=0.3, help="seconds between runs (idle thread pools stop spinning)")
+    p.add_argument(
+        "--precision",
+        choices=["bf16", "fp16"],
+        default=None,
+        help="also time both frameworks in this precision (tinytrain: --precision's 16-bit model with float32 "
+        "master weights; PyTorch: autocast) beside their float32 step, each side's ratio to its own float32",
+    )
     p.add_argument("--json", default=None, help="write the rows to this file")
     p.add_argument(
         "--profile",
@@ -151,38 +169,64 @@ def _batch(name: str):
     return config, ids[:, :-1], ids[:, 1:]
 
 
-def tinytrain_step(name: str, threads: int):
-    """tinytrain's training step of config ``name``: a function running one step, returning its loss."""
+def tinytrain_step(name: str, threads: int, precision: str = "fp32"):
+    """tinytrain's training step of config ``name``: a function running one step, returning its loss.
+    ``precision`` bf16 or fp16: as ``tinytrain train --precision`` steps, a 16-bit model whose
+    optimizer keeps float32 masters; fp16 with the loss scaler's backward, overflow check and update."""
     config, x, y = _batch(name)
     model = GPT(config, seed=0)
+    model.to(precision_dtype(precision))
     opt = AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    scaler = LossScaler() if precision == "fp16" else None
     x, y = xp.asarray(x), xp.asarray(y)
 
     def step():
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
-        loss.backward()
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+            return loss.item()
+        with loss_scaling(scaler.scale), numpy.errstate(over="ignore", invalid="ignore"):
+            loss.backward()
+        found_inf = any(not bool(xp.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+        opt.loss_scale = scaler.scale
+        if scaler.update(found_inf):
+            opt.step()
         return loss.item()
 
     return step
 
 
-def torch_step(name: str, threads: int):
-    """The same step in PyTorch: the same GPT (tinytrain's initial weights copied in), batch, AdamW."""
+def torch_step(name: str, threads: int, precision: str = "fp32"):
+    """The same step in PyTorch: the same GPT (tinytrain's initial weights copied in), batch, AdamW.
+    ``precision`` bf16 or fp16: forward and loss under ``torch.autocast`` (float32 weights, 16-bit
+    products: PyTorch's mixed precision), fp16 with its GradScaler."""
+    import contextlib
+
     import torch
 
     torch.set_num_threads(threads)
     config, x, y = _batch(name)
     tm = torch_gpt(GPT(config, seed=0), torch)
     opt = torch.optim.AdamW(tm.parameters(), lr=1e-4, weight_decay=0.0)
-    tx, ty = (torch.from_numpy(a).to(torch_device(torch)) for a in (x, y))
+    where = torch_device(torch)
+    tx, ty = (torch.from_numpy(a).to(where) for a in (x, y))
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    autocast = (lambda: torch.autocast(where, dtype=low)) if low is not None else contextlib.nullcontext
+    scaler = torch.amp.GradScaler(where) if precision == "fp16" else None
 
     def step():
-        loss = torch.nn.functional.cross_entropy(tm(tx).flatten(0, 1), ty.flatten())
+        with autocast():
+            loss = torch.nn.functional.cross_entropy(tm(tx).flatten(0, 1), ty.flatten())
         opt.zero_grad()
-        loss.backward()
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         if tx.is_cuda:
             torch.cuda.synchronize()
         return loss.item()
@@ -288,7 +332,7 @@ def torch_available() -> bool:
 # --- the worker: one framework in its own process ----------------------------------------------------
 
 
-def _worker(framework: str, name: str, threads: int) -> int:
+def _worker(framework: str, name: str, threads: int, precision: str = "fp32") -> int:
     """Build the step, run the warm-up step (reported: its loss, and what the framework runs on),
     then on each ``run K W`` line run W untimed and K timed steps and reply with the K seconds, on
     each ``profile K`` line profile K steps and reply with seconds per step per op; quit on EOF.
@@ -300,7 +344,8 @@ def _worker(framework: str, name: str, threads: int) -> int:
     except ImportError:
         pass  # OPENBLAS_NUM_THREADS, set by the parent before NumPy started, does it
     module, function = FRAMEWORKS.get(framework, framework).split(":")
-    step = getattr(importlib.import_module(module), function)(name, threads)
+    build = getattr(importlib.import_module(module), function)
+    step = build(name, threads) if precision == "fp32" else build(name, threads, precision)
     first = {"first_loss": step()}  # also the warm-up step
     first["versions"] = torch_versions() if framework == "torch" else tinytrain_versions()
     print(json.dumps(first), flush=True)
@@ -393,12 +438,13 @@ def _cpu_seconds(pid: int) -> float | None:
 class Worker:
     """One framework's step in its own process, with ``threads`` threads; driven over a pipe."""
 
-    def __init__(self, framework: str, name: str, threads: int):
-        self.framework = framework
+    def __init__(self, framework: str, name: str, threads: int, precision: str = "fp32"):
+        self.framework, self.precision = framework, precision
+        self.label = framework if precision == "fp32" else f"{framework} {precision}"
         env = dict(
             os.environ, **{k: str(threads) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
         )
-        command = [sys.executable, "-m", __name__, "--worker", framework, name, str(threads)]
+        command = [sys.executable, "-m", __name__, "--worker", framework, name, str(threads), precision]
         self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         first = self._reply()
         self.first_loss, self.versions = first["first_loss"], first.get("versions", {})
@@ -469,10 +515,14 @@ def compare(
     settle: float = 0.3,
     profile: int = 0,
     warmup: int = 1,
+    precision: str | None = None,
 ) -> dict:
     """One row: config ``name`` timed in a tinytrain worker and a ``reference`` worker, alternating;
     with ``profile`` steps, also each one's seconds per step per op (``row["ops"]``), one after the
-    other after the timing (profilers slow a step down: these steps are not the timed ones)."""
+    other after the timing (profilers slow a step down: these steps are not the timed ones).
+    With ``precision`` (bf16, fp16) two more workers, each framework in that precision, alternate
+    with the float32 two: ``tinytrain_low_ms``, ``low_ratio`` (over tinytrain's float32 step),
+    ``torch_low_ms``, ``torch_low_ratio`` (over PyTorch's) and ``low_vs_torch``."""
     config = GPTConfig(**CONFIGS[name]["model"])
     row = {
         "config": name,
@@ -482,29 +532,46 @@ def compare(
         **CONFIGS[name]["model"],
         "threads": threads,
     }
-    workers = [Worker("tinytrain", name, threads)] + ([Worker(reference, name, threads)] if reference else [])
-    try:
+    frameworks = ["tinytrain"] + ([reference] if reference else [])
+    workers = []
+    try:  # (inside: a worker that fails to start closes the ones started before it)
+        for p in ["fp32"] + ([precision] if precision else []):
+            workers += [Worker(f, name, threads, p) for f in frameworks]
         first = [w.first_loss for w in workers]
         if reference and abs(first[0] - first[1]) > 1e-3 * max(1.0, abs(first[1])):
             raise RuntimeError(f"models differ: first loss {first[0]} (tinytrain) vs {first[1]} ({reference})")
+        for w, loss in zip(workers[len(frameworks) :], first[len(frameworks) :]):  # 16-bit: the same model, rounded
+            if abs(loss - first[0]) > LOW_PRECISION_LOSS * max(1.0, abs(first[0])):
+                raise RuntimeError(f"{w.framework} in {precision}: first loss {loss}, {first[0]} in float32")
+            if loss == first[0]:  # rounding to 16 bits moves the loss: this worker stepped in float32
+                raise RuntimeError(f"{w.framework} in {precision}: the first loss is float32's to the last bit")
+        row["first_losses"] = {w.label: loss for w, loss in zip(workers, first)}
         times, idle = alternate(workers, steps, block, settle, warmup)
         row["versions"] = {w.framework: w.versions for w in workers}
         if profile:
             row["ops"] = {}
             for w in workers:
                 time.sleep(settle)
-                row["ops"][w.framework] = w.profile(profile)
+                row["ops"][w.label] = w.profile(profile)
     finally:
         for w in workers:
             w.close()
     row["tinytrain_ms"] = 1e3 * statistics.median(times[0])
     if reference:  # alone, there is no neighbour to disturb it
-        row["idle_cpu"] = {w.framework: share for w, share in zip(workers, idle)}
+        row["idle_cpu"] = {w.label: share for w, share in zip(workers, idle)}
         row["disturbed"] = max(idle) > IDLE_LIMIT
     if reference:
         row.update(torch_ms=1e3 * statistics.median(times[1]), first_loss_diff=abs(first[0] - first[1]))
         row["ratio"] = row["tinytrain_ms"] / row["torch_ms"]
         row["pinned_reference"] = reference == "torch" and pinned(workers[1].versions)
+    if precision:
+        row["precision"] = precision
+        row["tinytrain_low_ms"] = 1e3 * statistics.median(times[len(frameworks)])
+        row["low_ratio"] = row["tinytrain_low_ms"] / row["tinytrain_ms"]
+        if reference:
+            row["torch_low_ms"] = 1e3 * statistics.median(times[3])
+            row["torch_low_ratio"] = row["torch_low_ms"] / row["torch_ms"]
+            row["low_vs_torch"] = row["tinytrain_low_ms"] / row["torch_low_ms"]
     return row
 
 
@@ -530,15 +597,18 @@ def run(args) -> int:
         )
     if device != "cpu":
         print(f"note: tinytrain runs on its {device} device here; PyTorch on the GPU if it can", flush=True)
+    precision = f"float32 and {args.precision}" if args.precision else "float32"
     print(
-        f"one training step (forward + backward + AdamW), float32, {threads} threads each, median of {args.steps}; "
-        f"each framework in its own process, runs of {args.block} steps alternating, "
+        f"one training step (forward + backward + AdamW), {precision}, {threads} threads each, median of "
+        f"{args.steps}; each framework in its own process, runs of {args.block} steps alternating, "
         f"each after {args.warmup} untimed"
     )
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores seen")
     rows = []
     for name in args.configs:
-        row = compare(name, args.steps, threads, reference, args.block, args.settle, args.profile, args.warmup)
+        row = compare(
+            name, args.steps, threads, reference, args.block, args.settle, args.profile, args.warmup, args.precision
+        )
         if not rows:  # the workers say what they run on: the same for every config
             for line in versions_lines(row):
                 print(line)
@@ -556,9 +626,16 @@ def run(args) -> int:
             f"  {_check(row)}",
             flush=True,
         )
+        if args.precision:
+            print(low_precision_line(row), flush=True)
         if args.profile:
             print(profile_table(row, args.profile), flush=True)
     print("ratio = tinytrain step time / PyTorch step time (above 1: tinytrain slower; 1.0 = as fast)")
+    if args.precision:
+        print(
+            f"{args.precision}/fp32 = each framework's {args.precision} step over its own float32 step (above 1: "
+            f"mixed precision slower); vs torch = tinytrain's {args.precision} step over PyTorch's autocast step"
+        )
     if any("ratio" in row and not row["pinned_reference"] for row in rows):
         print(
             f"* not against the pinned reference: PyTorch {PINNED_TORCH} is what these ratios are measured against "
@@ -572,6 +649,20 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def low_precision_line(row: dict) -> str:
+    """The row's 16-bit line, under its float32 one: each framework's step and its ratio to its own
+    float32 step, and tinytrain's over PyTorch's."""
+    p = row["precision"]
+    text = f"  {p}: tinytrain {row['tinytrain_low_ms']:.2f} ms ({row['low_ratio']:.2f}x its fp32)"
+    if "torch_low_ms" in row:
+        mark = "" if row["pinned_reference"] else "*"
+        text += (
+            f", torch autocast {row['torch_low_ms']:.2f} ms ({row['torch_low_ratio']:.2f}x its fp32), "
+            f"{row['low_vs_torch']:.2f}x{mark} vs torch {p}"
+        )
+    return text
 
 
 def versions_lines(row: dict) -> list[str]:
@@ -622,6 +713,6 @@ def _check(row: dict) -> str:
 
 
 if __name__ == "__main__":  # a worker: python -m tinytrain.bench.step --worker FRAMEWORK CONFIG THREADS
-    if sys.argv[1:2] != ["--worker"] or len(sys.argv) != 5:
+    if sys.argv[1:2] != ["--worker"] or len(sys.argv) != 6:
         sys.exit("run `tinytrain bench step` (this module's own entry is its worker)")
-    sys.exit(_worker(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    sys.exit(_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]))
