@@ -152,8 +152,9 @@ def hostfile_slots(path: str) -> int:
 class RankWatcher:
     """The ranks of one launch, by pid, and the first of them to vanish (a daemon thread)."""
 
-    def __init__(self, launch_id: str, every: float = 0.002):
+    def __init__(self, launch_id: str, every: float = 0.002, world: int | None = None):
         self.marker = f"TINYTRAIN_LAUNCH_ID={launch_id}".encode()
+        self.world = world  # ranks to find: /proc is rescanned every few ms until all are
         self.pids: dict[int, int] = {}  # pid -> world rank
         self.gone: dict[int, tuple[int, float]] = {}  # pid -> (world rank, when it was found ended)
         self.every, self.stopped = every, threading.Event()
@@ -184,7 +185,11 @@ class RankWatcher:
         last_scan = 0.0
         while not self.stopped.is_set():
             now = time.monotonic()
-            if now - last_scan > 0.5 and os.path.isdir("/proc"):
+            # Until every rank is found, rescan every 20 ms: a rank that dies in its first half second (a
+            # fault while it loads the checkpoint) must be known before it vanishes, or a survivor that
+            # ends later would be taken for the lost one.
+            searching = self.world is not None and len(set(self.pids.values())) < self.world
+            if now - last_scan > (0.02 if searching else 0.5) and os.path.isdir("/proc"):
                 self.pids.update((pid, rank) for pid, rank in self._ranks_now().items() if pid not in self.gone)
                 last_scan = now
             for pid, rank in self.pids.items():
@@ -313,7 +318,7 @@ class Agent:
             env["TINYTRAIN_TOPOLOGY"] = f"{layout.world // emulated.per_node}x{emulated.per_node}"
         cmd = self.command(layout)
         print(f"tinytrain launch: {layout.world} ranks, --dp {layout.dp}: {' '.join(cmd)}", file=sys.stderr)
-        watcher = RankWatcher(launch_id)
+        watcher = RankWatcher(launch_id, world=layout.world)
         started, self.ended_it = time.time(), False
         self.job = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
         named = _NamedDeaths(self.job.stderr)
