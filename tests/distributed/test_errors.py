@@ -215,3 +215,25 @@ def test_heartbeats_tell_a_busy_peer_from_a_deadlock(monkeypatch):
         assert time.monotonic() - start < 7, message
     finally:
         watchdog.stop_heartbeat()
+
+
+def test_a_wait_on_a_rank_whose_process_is_gone_raises_peer_died_naming_it(monkeypatch):
+    """A rank killed outright posts no notice: a wait finds its process gone and names it, once it
+    has been gone ``_DEAD_FOR`` seconds (so a launcher that watches the ranks sees it end first)."""
+    import subprocess
+    import sys
+
+    from tinytrain.distributed import watchdog
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # ended and reaped: its pid names no process
+    monkeypatch.setattr(watchdog, "local_pids", {1: gone.pid, 2: __import__("os").getpid()})
+    monkeypatch.setattr(watchdog, "_found_dead", {})
+    describe = lambda: "all_reduce(algo=ring) on group world, ring step 1/2"  # noqa: E731
+    watchdog._check_dead(describe, lambda: [("recv from", 2)], 0.3)  # rank 2 (this process) runs
+    watchdog._check_dead(describe, lambda: [("recv from", 1)], 0.3)  # gone, but only just found so
+    monkeypatch.setattr(watchdog, "_DEAD_FOR", 0.0)
+    with pytest.raises(dist.PeerDied, match=rf"ring step 1/2: rank 1 \(pid {gone.pid} on \S+\) has died") as e:
+        watchdog._check_dead(describe, lambda: [("recv from", 1), ("recv from", 2)], 0.7)
+    assert e.value.failed_rank == 1 and isinstance(e.value, dist.PeerFailure)
+    assert "while this rank waited 0.7 s for recv from rank 1, recv from rank 2" in str(e.value)

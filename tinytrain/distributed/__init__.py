@@ -77,7 +77,7 @@ from .p2p import (
 )
 from .stats import CommStats, comm_stats, totals
 from .trace_merge import comm_matrix
-from .watchdog import CollectiveMismatch, CommTimeout, DistributedError, PeerFailure, report_failure
+from .watchdog import CollectiveMismatch, CommTimeout, DistributedError, PeerDied, PeerFailure, report_failure
 from .work import Work, progress_all, start_progress_thread, stop_progress_thread
 
 __all__ = [name for name in dir() if not name.startswith("_")]

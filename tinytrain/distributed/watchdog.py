@@ -19,7 +19,10 @@ that names what was being waited for:
 2. A peer raised an exception. Waiting for the deadline would be slow, so a failing rank posts a
    short *failure notice* to every other rank on a side-channel communicator (a duplicate of the
    world communicator, used for nothing else). Waiting ranks look for notices with ``Iprobe`` while
-   they poll, and raise :class:`PeerFailure` within milliseconds.
+   they poll, and raise :class:`PeerFailure` within milliseconds. A peer killed outright (SIGKILL,
+   the OOM killer, a crash in C) posts nothing: a wait looks every ``_DEAD_EVERY`` seconds whether
+   the process of each rank it waits for, on this machine, still runs, and raises ``PeerDied``
+   naming it when not (the pids come from ``learn_places`` and the heartbeats).
 3. Ranks call different collectives. Each call's messages carry its signature in their tag, so
    a rank that waits for a message finds the peer's message of another signature instead and
    raises :class:`CollectiveMismatch` naming both calls; in debug mode (``TINYTRAIN_DEBUG=1``, on
@@ -62,6 +65,12 @@ class PeerFailure(DistributedError):
 
     failed_rank: int | None = None
     where: str = ""
+
+
+class PeerDied(PeerFailure):
+    """A rank this one waited for has ended without a word (its process is gone: killed outright).
+    No other rank can say why, so unlike a ``PeerFailure`` that echoes a peer's own report, this
+    one is printed."""
 
 
 class CollectiveMismatch(DistributedError, ValueError):
@@ -118,6 +127,9 @@ _SPIN = int(os.environ.get("TINYTRAIN_SPIN", "0" if _oversubscribed() else "2000
 _YIELD_FOR = float(os.environ.get("TINYTRAIN_YIELD_FOR", "2e-3"))  # then polls with sched_yield() between
 _MAX_SLEEP = float(os.environ.get("TINYTRAIN_MAX_SLEEP", "1e-4"))  # then sleeps doubling from 20 us up to this
 _ALERT_EVERY = 64  # check the failure side channel every this many polls (always when sleeping)
+_DEAD_EVERY = 0.2  # seconds between looks, in a wait, at whether the ranks it waits for still run
+_DEAD_FOR = 0.5  # seconds a rank's process must have been gone before a wait raises PeerDied
+_found_dead: dict[int, float] = {}  # pid -> when a wait first found it gone
 
 
 # --- requests given up on ------------------------------------------------------------------------
@@ -423,7 +435,7 @@ def wait_until(done, describe, pending, deadline: float | None = None, check=Non
 def _poll_until(done, describe, pending, limit: float | None, check=None) -> None:
     __tracebackhide__ = True
     start = time.perf_counter()
-    polls, sleep, sleeping, announced = 0, 20e-6, False, 0.0
+    polls, sleep, sleeping, announced, look_for_dead = 0, 20e-6, False, 0.0, _DEAD_EVERY
     while True:
         polls += 1
         if sleeping:
@@ -437,6 +449,9 @@ def _poll_until(done, describe, pending, limit: float | None, check=None) -> Non
             waited = time.perf_counter() - start
             sleeping = sleeping or (polls > _SPIN and waited > _YIELD_FOR)
             _check_failures(describe, pending, waited)
+            if waited > look_for_dead:
+                _check_dead(describe, pending, waited)
+                look_for_dead = waited + _DEAD_EVERY
             if check is not None:
                 check()
             if _heartbeat is not None and waited > announced + 0.2 * _BEAT_EVERY:
@@ -479,6 +494,30 @@ def _past_deadline(describe, pending, waited: float, limit: float) -> None:
 
 def _fmt_pending(items) -> str:
     return ", ".join(f"{what} rank {peer}" for what, peer in items) or "nothing (?)"
+
+
+def _check_dead(describe, pending, waited: float) -> None:
+    """Raise :class:`PeerDied` if a rank this wait needs has ended: its process, on this machine,
+    is gone. A rank killed outright (SIGKILL, the machine's OOM killer, a crash in C) posts no failure
+    notice, and a launcher told to leave the others running (``tinytrain launch``) would leave them
+    waiting until their deadline; the process table says it in a fraction of a second."""
+    __tracebackhide__ = True
+    pids, now = _pids_here(), time.monotonic()
+    dead = sorted({peer for _, peer in pending() if peer in pids and not launcher.alive(pids[peer])})
+    for peer in dead:
+        _found_dead.setdefault(pids[peer], now)
+    # Raise only once it has been gone a while: a launcher that watches the ranks (``tinytrain
+    # launch``) tells the lost one by which ended first, and this rank ending a moment after it
+    # would look like a tie on a loaded machine.
+    dead = [peer for peer in dead if now - _found_dead[pids[peer]] >= _DEAD_FOR]
+    if dead:
+        rank = dead[0]
+        error = PeerDied(
+            f"{describe()}: rank {rank}{where(rank)} has died (its process is gone) while this rank waited "
+            f"{waited:.1f} s for {_fmt_pending(pending())}"
+        )
+        error.failed_rank, error.where = rank, describe()
+        raise error
 
 
 def _check_failures(describe, pending, waited: float) -> None:
