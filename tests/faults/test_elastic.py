@@ -171,9 +171,13 @@ def test_a_killed_rank_costs_only_the_steps_since_the_checkpoint(tmp_path, unint
 
 def test_a_fault_during_the_restart_is_a_second_restart_on_the_same_curve(tmp_path, uninterrupted):
     """Rank 1 dies at step 8; the relaunch on 3 ranks loses its rank 1 while it loads the checkpoint;
-    the third launch, on 2 ranks, finishes from the same checkpoint of step 5."""
+    the third launch, on 2 ranks, finishes from the same checkpoint of step 5.
+
+    Killed outright, rank 1 posts no failure notice, and the agent asks hydra to leave the others
+    running: they may wait for it in the load. Each wait looks at the process table, so they end in
+    a second, not at their deadline (60 s here) nor when the agent would end them (END_GRACE)."""
     fault = {"FAULT": "kill", "RANK": "1", "STEP": "8", "ONCE": str(tmp_path / "once")}
-    fault.update(LOAD_FAULT="1", LOAD_ONCE=str(tmp_path / "load-once"))
+    fault.update(LOAD_FAULT="1", LOAD_ONCE=str(tmp_path / "load-once"), TINYTRAIN_TIMEOUT="60")
     r, out, seconds = launch(tmp_path, "twice", fault=fault)
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
@@ -184,6 +188,7 @@ def test_a_fault_during_the_restart_is_a_second_restart_on_the_same_curve(tmp_pa
     assert (first["rank"], first["world"], second["rank"], second["world"]) == (1, 4, 1, 3), metrics["restarts"]
     assert "first_step_after" not in first or first["first_step_after"] == 6, first  # no step ran on 3 ranks
     assert second["first_step_after"] == 6, second
+    assert second["seconds_to_first_step"] < elastic.END_GRACE, second  # the survivors ended themselves
     assert seconds < 90, seconds
 
 
