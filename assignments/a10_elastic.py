@@ -347,7 +347,11 @@ class Agent:
             return code, {}
         fault = {"when": time.time(), "started": started, "exit_code": code, "world": layout.world}
         named.thread.join(timeout=5)
-        if (killed(code) or self.ended_it) and (named.first or watcher.first_lost) is not None:
+        # A rank is lost when mpirun says one was killed, when the agent had to end the rest, or when
+        # the survivors say one has died (they end themselves once its process is gone, with an
+        # error of their own: then mpirun's code is theirs, not the signal's)
+        lost = killed(code) or self.ended_it or named.first is not None
+        if lost and (named.first or watcher.first_lost) is not None:
             rank, pid, when = watcher.first_lost or (*named.first, time.time())
             if named.first is not None and named.first[0] != rank:
                 # the survivors saw which process was gone (tinytrain's watchdog, by the start line's
