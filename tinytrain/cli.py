@@ -221,8 +221,8 @@ def _print(line: str, exc: BaseException | None) -> None:
 def _another_rank_failed(exc: BaseException, wait: float) -> bool:
     """Did another rank fail first (``exc`` only echoes it, or a notice arrives within ``wait`` s)?"""
     dist = sys.modules.get("tinytrain.distributed")
-    if dist is not None and isinstance(exc, dist.PeerFailure) and not isinstance(exc, dist.PeerDied):
-        return True  # (a rank that died said nothing: that one this rank reports)
+    if dist is not None and isinstance(exc, dist.PeerFailure) and exc.echoes_a_report:
+        return True
     if dist is None or not dist.is_initialized():
         time.sleep(wait)  # no side channel yet: rank 0's abort, if it comes, ends us meanwhile
         return False

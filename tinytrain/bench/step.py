@@ -54,7 +54,7 @@ from tinytrain import functional as F
 from tinytrain.autograd import loss_scaling
 from tinytrain.backend import device, precision_dtype, to_host, xp
 from tinytrain.nn import GPT, GPTConfig
-from tinytrain.optim import AdamW, LossScaler
+from tinytrain.optim import AdamW, LossScaler, grads_finite
 
 CONFIGS = {
     # the default `tinytrain train` model on the addition task
@@ -189,9 +189,8 @@ def tinytrain_step(name: str, threads: int, precision: str = "fp32"):
             return loss.item()
         with loss_scaling(scaler.scale), numpy.errstate(over="ignore", invalid="ignore"):
             loss.backward()
-        found_inf = any(not bool(xp.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
         opt.loss_scale = scaler.scale
-        if scaler.update(found_inf):
+        if scaler.update(found_inf=not grads_finite(p.grad for p in model.parameters())):
             opt.step()
         return loss.item()
 

@@ -194,9 +194,7 @@ def _install_excepthook() -> None:
         watchdog.report_failure(f"{kind.__name__}: {value}")  # first: the others stop waiting at once
         if not echo and rank != 0:  # two ranks may fail of one cause (a mismatch): the lower one tells
             echo = _lower_rank_failed(rank, 0.5)
-        if isinstance(value, watchdog.PeerDied):  # the dead rank said nothing: say it
-            sys.stderr.write(f"rank {rank}: {kind.__name__}: {value}\n")
-        elif isinstance(value, watchdog.PeerFailure):
+        if isinstance(value, watchdog.PeerFailure) and value.echoes_a_report:
             sys.stderr.write(f"rank {rank}: stopped in {value.where}: rank {value.failed_rank} failed (see above)\n")
         elif echo:
             sys.stderr.write(f"rank {rank}: {kind.__name__}: {value}\n")

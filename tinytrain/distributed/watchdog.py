@@ -65,12 +65,15 @@ class PeerFailure(DistributedError):
 
     failed_rank: int | None = None
     where: str = ""
+    echoes_a_report = True  # the failed rank printed its own error: this rank's is only its echo
 
 
 class PeerDied(PeerFailure):
     """A rank this one waited for has ended without a word (its process is gone: killed outright).
     No other rank can say why, so unlike a ``PeerFailure`` that echoes a peer's own report, this
     one is printed."""
+
+    echoes_a_report = False
 
 
 class CollectiveMismatch(DistributedError, ValueError):
@@ -502,8 +505,8 @@ def _check_dead(describe, pending, waited: float) -> None:
     notice, and a launcher told to leave the others running (``tinytrain launch``) would leave them
     waiting until their deadline; the process table says it in a fraction of a second."""
     __tracebackhide__ = True
-    pids, now = _pids_here(), time.monotonic()
-    dead = sorted({peer for _, peer in pending() if peer in pids and not launcher.alive(pids[peer])})
+    pids, now, waited_for = _pids_here(), time.monotonic(), {peer for _, peer in pending()}
+    dead = [peer for peer in dead_peers() if peer in waited_for]
     for peer in dead:
         _found_dead.setdefault(pids[peer], now)
     # Raise only once it has been gone a while: a launcher that watches the ranks (``tinytrain
