@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from tinytrain import backend
 from tinytrain.bench import step as bench
 
 FAKES = '''
@@ -184,6 +185,7 @@ def test_the_table_names_what_each_side_ran_on_and_marks_an_unpinned_reference(f
     row = bench.compare("default", steps=1, threads=1, reference=f"{fakes}:quiet_step", settle=0.0, warmup=2)
     mine = row["versions"]["tinytrain"]
     assert mine["numpy"] == np.__version__ and mine["threads"] == 1 and mine["blas"]
+    assert mine["blas_kernel"] == backend.blas_kernel()
     assert row["pinned_reference"] is False  # a stand-in, not PyTorch
     monkeypatch.setattr(bench, "torch_available", lambda: True)
     monkeypatch.setattr(bench, "compare", lambda *a, **k: row)

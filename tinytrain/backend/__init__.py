@@ -93,15 +93,25 @@ def blas_threads(limit: int | None = None) -> int | None:
     lib = _openblas()
     if lib is None:
         return None
-    set_threads, get_threads = lib
     if limit is not None:
-        set_threads(int(limit))
-    return int(get_threads())
+        lib["set_num_threads"](int(limit))
+    return int(lib["get_num_threads"]())
 
 
-def _openblas():
-    """(set_num_threads, get_num_threads) of the loaded OpenBLAS (its symbols carry the prefix and
-    suffix of the build: ``scipy_openblas_set_num_threads64_`` in NumPy's wheels), or None."""
+def blas_kernel() -> str | None:
+    """The CPU kernels the OpenBLAS that NumPy loaded runs (``Haswell``, ``SkylakeX``, ``Zen``...),
+    or None where there is no OpenBLAS to ask. A build for many CPUs picks them when it loads, from
+    the CPU, unless ``OPENBLAS_CORETYPE`` names others: on a CPU with AVX-512, ``Haswell`` kernels
+    run its products at about half the speed (``tinytrain bench step`` says so when it sees it)."""
+    lib = _openblas()
+    name = lib and lib.get("get_corename")
+    return name().decode() if name else None
+
+
+def _openblas() -> dict | None:
+    """``set_num_threads``, ``get_num_threads`` and ``get_corename`` of the loaded OpenBLAS (its
+    symbols carry the prefix and suffix of the build: ``scipy_openblas_set_num_threads64_`` in
+    NumPy's wheels), or None."""
     import ctypes
 
     try:
@@ -116,11 +126,16 @@ def _openblas():
             continue
         for prefix in ("scipy_openblas", "openblas"):
             for suffix in ("64_", ""):
-                setter = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
-                getter = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
-                if setter is not None and getter is not None:
-                    setter.argtypes, getter.restype = [ctypes.c_int], ctypes.c_int
-                    return setter, getter
+                calls = {
+                    name: getattr(lib, f"{prefix}_{name}{suffix}", None)
+                    for name in ("set_num_threads", "get_num_threads", "get_corename")
+                }
+                if calls["set_num_threads"] is not None and calls["get_num_threads"] is not None:
+                    calls["set_num_threads"].argtypes = [ctypes.c_int]
+                    calls["get_num_threads"].restype = ctypes.c_int
+                    if calls["get_corename"] is not None:
+                        calls["get_corename"].restype = ctypes.c_char_p
+                    return calls
     return None
 
 

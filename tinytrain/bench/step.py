@@ -14,7 +14,10 @@ one after a pause pays for waking both frameworks' thread pools (and, on a virtu
 idle cores), which no step of a loop pays. The ratio of the medians is reported.
 
 The reference is pinned: ``pip install -e ".[bench]"`` installs PyTorch ``PINNED_TORCH``, and the
-table's head names the CPU, each framework's threads, NumPy's BLAS and PyTorch's version and BLAS.
+table's head names the CPU, each framework's threads, NumPy's BLAS (and the CPU kernels it runs)
+and PyTorch's version and BLAS. Where ``OPENBLAS_CORETYPE`` makes NumPy's BLAS run other kernels
+than the CPU's own (Haswell's on an AVX-512 CPU, set on some machines for old OpenBLAS builds), a
+note says so: the products then run at about half speed, and the ratios measure that setting.
 Against another PyTorch the ratios are marked ``*`` and a line says that they are not against the
 pinned reference (the same bench gave ratios 40 % apart between PyTorch 2.13 and 2.14).
 
@@ -378,9 +381,41 @@ def tinytrain_versions() -> dict:
         "framework": "tinytrain",
         "numpy": numpy.__version__,
         "blas": f"{blas.get('name', '?')} {blas.get('version', '?')}",
+        "blas_kernel": backend.blas_kernel(),
         "threads": threads.THREADS,
         "blas_threads": backend.blas_threads(),
     }
+
+
+# What a build of OpenBLAS for many CPUs reads when it loads, instead of asking the CPU which kernels to run
+FORCED_KERNEL_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+def cpu_own_blas_kernel() -> str | None:
+    """The kernels NumPy's OpenBLAS picks on this CPU by itself: asked in a Python started without
+    :data:`FORCED_KERNEL_VARIABLES` (None when it cannot tell)."""
+    env = {k: v for k, v in os.environ.items() if k not in FORCED_KERNEL_VARIABLES}
+    ask = "from tinytrain.backend import blas_kernel; print(blas_kernel())"
+    try:
+        done = subprocess.run([sys.executable, "-c", ask], env=env, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    answer = done.stdout.strip()
+    return answer if done.returncode == 0 and answer not in ("", "None") else None
+
+
+def forced_kernel_line(versions: dict, own: str | None) -> str | None:
+    """A note when the environment made NumPy's BLAS run other kernels than this CPU's own: the
+    ratios then measure that setting (Haswell's on an AVX-512 CPU: about half its product speed)."""
+    ran = versions.get("blas_kernel")
+    if not ran or not own or ran == own:
+        return None
+    setting = " ".join(f"{k}={os.environ[k]}" for k in FORCED_KERNEL_VARIABLES if k in os.environ)
+    unset = " ".join(f"-u {k}" for k in FORCED_KERNEL_VARIABLES)
+    return (
+        f"note: {setting or 'the environment'} makes NumPy's BLAS run {ran} kernels on a CPU whose own are {own}: "
+        f"tinytrain's ratios measure that setting; `env {unset} tinytrain bench step` measures the CPU's own"
+    )
 
 
 def torch_versions() -> dict:
@@ -611,6 +646,10 @@ def run(args) -> int:
         if not rows:  # the workers say what they run on: the same for every config
             for line in versions_lines(row):
                 print(line)
+            forced = any(k in os.environ for k in FORCED_KERNEL_VARIABLES)
+            note = forced and forced_kernel_line(row["versions"].get("tinytrain", {}), cpu_own_blas_kernel())
+            if note:
+                print(note)
             print(
                 f"{'config':<8} {'params':>10} {'tokens':>7} {'tinytrain ms':>13} {'torch ms':>9} {'ratio':>6}"
                 "  idle-neighbour check"
@@ -671,8 +710,9 @@ def versions_lines(row: dict) -> list[str]:
         if v.get("framework") == "torch":
             lines.append(f"{name}: PyTorch {v['torch']} (BLAS {v['blas']}), {v['threads']} threads")
         elif v:
+            kernel = f", {v['blas_kernel']} kernels" if v.get("blas_kernel") else ""
             lines.append(
-                f"{name}: tinytrain on NumPy {v['numpy']} (BLAS {v['blas']}), {v['threads']} threads "
+                f"{name}: tinytrain on NumPy {v['numpy']} (BLAS {v['blas']}{kernel}), {v['threads']} threads "
                 f"(its BLAS: {v['blas_threads']} per product piece)"
             )
     return lines
