@@ -160,3 +160,28 @@ def test_cast_into_out_writes_every_entry(rng, three_threads):
     assert threads.cast(xp.asarray(a), np.float16, out=out) is out
     with np.errstate(all="ignore"):
         assert (to_host(out).view(np.uint16) == a.astype(np.float16).view(np.uint16)).all()
+
+
+def test_bfloat16_casts_give_astypes_bits_for_every_pattern(rng, three_threads):
+    """threads.cast's own bfloat16 kernels (integer passes over the bits) against ml_dtypes' astype:
+    every one of the 65,536 bfloat16s up to float32, and 200,000 float32s drawn as bit patterns
+    (subnormals, infinities, NaNs of every payload and sign among them) down to bfloat16."""
+    bf16 = np.dtype(__import__("ml_dtypes").bfloat16)
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(bf16).reshape(256, 256)
+    up = to_host(threads.cast(xp.asarray(every), np.float32))
+    assert up.dtype == np.float32 and (up.view(np.uint32) == every.astype(np.float32).view(np.uint32)).all()
+    drawn = rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32).reshape(400, 500)
+    # the first piece of three has NaNs (the whole piece converted by astype); the last none, so its
+    # every entry goes through the integer passes: the drawn bits with their NaNs made 0, and each
+    # kept half (odd and even, both signs, the largest finite) with each dropped half at and around
+    # the tie and at its ends
+    drawn[:100, :3] = [np.nan, -np.nan, np.float32(np.uint32(0x7F800001).view(np.float32))]
+    drawn[200:][np.isnan(drawn[200:])] = 0.0
+    kept = np.array([0x3F80, 0x3F81, 0xBF80, 0xBF81, 0x7F7F, 0x0001, 0x0000], dtype=np.uint32)
+    dropped = np.array([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=np.uint32)
+    edges = ((kept[:, None] << 16) | dropped[None, :]).reshape(-1)
+    drawn[-1, :] = np.resize(edges, 500).view(np.float32)
+    with np.errstate(invalid="ignore"):  # NumPy warns of the NaNs it casts
+        down = to_host(threads.cast(xp.asarray(drawn), bf16))
+        expected = drawn.astype(bf16)
+    assert (down.view(np.uint16) == expected.view(np.uint16)).all()
