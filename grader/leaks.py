@@ -36,6 +36,7 @@ from __future__ import annotations
 import ast
 import io
 import json
+import keyword
 import re
 import statistics
 import textwrap
@@ -258,6 +259,20 @@ _MOD = re.compile(r"\bmod\b")
 _CODE_SPAN = re.compile(r"`([^`]+)`")
 _FENCE = re.compile(r"^```.*?$(.*?)^```", re.S | re.M)
 _WORD_EDGE = re.compile(r"[\w)\]]+|[(\[]")
+_TWO_NAMES = re.compile(r"\b([A-Za-z_]\w*)\s+([A-Za-z_]\w*)\b")
+
+
+def _cannot_parse(piece: str) -> bool:
+    """A one-line piece that Python's grammar rejects in any mode, told without the parser: two names
+    side by side with no operator between them (``item next``), neither a keyword (``x if y``, ``a
+    and b``). Only where no string or comment could hold them. Most spans of a prose line are such
+    pieces, and parsing each twice (expression, then statement) took most of a copy's scan."""
+    if any(c in piece for c in "'\"#\\"):
+        return False
+    return any(
+        not keyword.iskeyword(a) and not keyword.iskeyword(b) and not keyword.issoftkeyword(a)
+        for a, b in _TWO_NAMES.findall(piece)
+    )
 
 
 def _math_to_python(text: str) -> str:
@@ -320,7 +335,7 @@ def markdown_units(text: str) -> dict[str, str]:
             found.update(units(tree))
     for line in _CODE_SPAN.sub(lambda m: " " + m.group(1) + " ", prose).splitlines():
         for piece in _prose_candidates(line):
-            tree = _parse(piece)
+            tree = None if _cannot_parse(piece) else _parse(piece)
             if tree is not None:
                 found.update(units(tree))
     return found
