@@ -234,3 +234,61 @@ def test_ranks_with_different_test_ids_end_the_job_naming_the_first_difference(t
     assert out.count("the ranks collected different tests") == 1, out
     assert "rank 1: 1 tests; test 1 is test_injected.py::test_one[1] (rank 0 has test_injected.py::test_one[0])" in out
     assert seconds < 30, f"took {seconds:.0f} s\n{out}"
+
+
+DEALT_OUT = """
+import os, pathlib, pytest
+from mpi4py import MPI
+from tinytrain import distributed as dist
+
+def ran(name):
+    assert dist.get_world_size() == 1 and dist.get_rank() == 0  # a world of one, whichever rank runs it
+    (pathlib.Path(os.environ["RAN"]) / f"{name}.{MPI.COMM_WORLD.Get_rank()}").write_text("")
+
+@pytest.fixture(scope="module")
+def made_once():
+    ran("fixture")
+
+def test_s1(): ran("s1")
+def test_s2(): ran("s2")
+def test_s3_fails():
+    ran("s3")
+    assert False, "s3 failed on its runner"
+def test_s4(): ran("s4")
+def test_f1(made_once): ran("f1")
+def test_f2(made_once): ran("f2")
+
+@pytest.mark.alone
+def test_alone(): ran("alone")
+
+@pytest.mark.world_size(3)
+def test_all_three():
+    assert dist.get_world_size() == 3
+    if dist.get_rank() == 0:
+        ran_by = sorted(p.name for p in pathlib.Path(os.environ["RAN"]).iterdir())
+        assert len(ran_by) == 8, ran_by  # every single-process test before it has ended, on every rank
+"""
+
+
+@needs_mpirun
+def test_single_process_tests_run_once_each_beside_each_other_and_report_through_rank_0(tmp_path):
+    """TINYTRAIN_TEST_RUNNERS ranks share the single-process tests: each runs exactly once, in a world
+    of one; tests sharing a module fixture run on one rank (made once); a failure on another runner
+    is printed by rank 0 and fails the run; a test of several ranks waits for them all."""
+    for runners, expected in (("2", {"0", "1"}), ("1", {"0"})):
+        ran = tmp_path / f"ran{runners}"
+        ran.mkdir()
+        proc, out, _ = run_pytest(tmp_path, DEALT_OUT, 3, TINYTRAIN_TEST_RUNNERS=runners, RAN=str(ran))
+        assert proc.returncode != 0 and out.count("test session starts") == 1, out
+        assert "FAILED test_injected.py::test_s3_fails" in out and "s3 failed on its runner" in out, out
+        assert "1 failed, 7 passed" in out, out
+        by_name = {}
+        for path in ran.iterdir():
+            name, rank = path.name.split(".")
+            by_name.setdefault(name, []).append(rank)
+        assert sorted(by_name) == sorted(["fixture", "s1", "s2", "s3", "s4", "f1", "f2", "alone"]), by_name
+        assert all(len(ranks) == 1 for ranks in by_name.values()), f"a test ran twice: {by_name}"
+        assert by_name["f1"] == by_name["f2"] == by_name["fixture"], by_name
+        assert {r for ranks in by_name.values() for r in ranks} == expected, by_name
+    proc, out, _ = run_pytest(tmp_path, DEALT_OUT, 3, TINYTRAIN_TEST_RUNNERS="two", RAN=str(tmp_path))
+    assert proc.returncode != 0 and "TINYTRAIN_TEST_RUNNERS='two' is not a setting it takes" in out, out
