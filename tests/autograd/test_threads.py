@@ -162,10 +162,12 @@ def test_cast_into_out_writes_every_entry(rng, three_threads):
         assert (to_host(out).view(np.uint16) == a.astype(np.float16).view(np.uint16)).all()
 
 
-def test_bfloat16_casts_give_astypes_bits_for_every_pattern(rng, three_threads):
+def test_bfloat16_casts_give_astypes_bits_for_every_pattern(rng, three_threads, monkeypatch):
     """threads.cast's own bfloat16 kernels (integer passes over the bits) against ml_dtypes' astype:
     every one of the 65,536 bfloat16s up to float32, and 200,000 float32s drawn as bit patterns
-    (subnormals, infinities, NaNs of every payload and sign among them) down to bfloat16."""
+    (subnormals, infinities, NaNs of every payload and sign among them) down to bfloat16, in blocks
+    that do not divide a piece."""
+    monkeypatch.setattr(threads, "BF16_BLOCK", 1000)
     bf16 = np.dtype(__import__("ml_dtypes").bfloat16)
     every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(bf16).reshape(256, 256)
     up = to_host(threads.cast(xp.asarray(every), np.float32))

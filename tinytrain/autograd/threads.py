@@ -124,8 +124,8 @@ def cast(a, dtype, out=None):
         out[...] = a
         return out
     contiguous = a.flags.c_contiguous and out.flags.c_contiguous
-    kernel = _KERNELS.get((a.dtype.name, out.dtype.name), _convert) if contiguous else _convert
-    in_pieces(kernel, a, out, pieces=a.size // MIN_CAST_PIECE)
+    kernel, lighter = _KERNELS.get((a.dtype.name, out.dtype.name), (_convert, 1)) if contiguous else (_convert, 1)
+    in_pieces(kernel, a, out, pieces=a.size // (MIN_CAST_PIECE * lighter))
     return out
 
 
@@ -148,17 +148,26 @@ def _to_bfloat16(src, dst):
     integer passes over the bits, about twice as fast as ``astype`` (see :func:`_from_bfloat16`):
     adding 0x7FFF, plus 1 when the kept half is odd, carries into the kept half exactly when the
     dropped half is past the tie, or at the tie of an odd half. A NaN's carry could turn it into an
-    infinity or flip its sign: a piece holding one is converted by ``astype`` instead."""
+    infinity or flip its sign: a piece holding one is converted by ``astype`` instead. The passes run
+    over ``BF16_BLOCK`` entries at a time, so that their scratch stays in the core's cache (an 8 M
+    entry array in one go: 13.5 ms, slower than astype's 8.3; in blocks: 6.8 ms)."""
     if numpy.isnan(src).any():
         dst[...] = src
         return
-    bits = src.view(numpy.uint32)
-    rounded = bits >> numpy.uint32(16)
-    rounded &= numpy.uint32(1)
-    rounded += numpy.uint32(0x7FFF)
-    rounded += bits
-    rounded >>= numpy.uint32(16)
-    dst.view(numpy.uint16)[...] = rounded
+    bits, kept = src.reshape(-1).view(numpy.uint32), dst.reshape(-1).view(numpy.uint16)
+    scratch = numpy.empty(min(BF16_BLOCK, bits.size), dtype=numpy.uint32)
+    for lo in range(0, bits.size, BF16_BLOCK):
+        block = bits[lo : lo + BF16_BLOCK]
+        rounded = scratch[: block.size]
+        numpy.right_shift(block, numpy.uint32(16), out=rounded)
+        rounded &= numpy.uint32(1)
+        rounded += numpy.uint32(0x7FFF)
+        rounded += block
+        rounded >>= numpy.uint32(16)
+        kept[lo : lo + BF16_BLOCK] = rounded
+
+
+BF16_BLOCK = 1 << 17  # entries a pass of _to_bfloat16 takes at a time (its scratch: 512 KiB)
 
 
 _F32_ABS, _F16_TINY = numpy.uint32(0x7FFFFFFF), numpy.uint32(0x38800000 - 1)
@@ -187,9 +196,12 @@ def _to_float16(src, dst):
     dst.view(numpy.uint16).reshape(-1)[where] = half
 
 
-# (from, to) dtype names -> a kernel converting contiguous pieces faster than NumPy's cast
+# (from, to) dtype names -> (a kernel converting contiguous pieces faster than NumPy's cast, how many
+# times MIN_CAST_PIECE a piece of it takes to be worth a thread). The bfloat16 passes are so light that
+# handing a piece to the other core costs more than it saves below 2^19 entries down and 2^20 up
+# (measured: 2^18 entries down 229 us on one core, 310 us in two pieces; 2^20 up 255 against 359).
 _KERNELS = {
-    ("float32", "float16"): _to_float16,
-    ("float32", "bfloat16"): _to_bfloat16,
-    ("bfloat16", "float32"): _from_bfloat16,
+    ("float32", "float16"): (_to_float16, 1),
+    ("float32", "bfloat16"): (_to_bfloat16, 8),
+    ("bfloat16", "float32"): (_from_bfloat16, 16),
 }
