@@ -14,18 +14,8 @@ pytest over the same tests in the same order; this plugin coordinates them:
 * **World size.** ``@pytest.mark.world_size(n)`` runs the test on ranks ``0..n-1`` with a world of
   ``n`` ranks; extra ranks sit out (they wait, asleep, for the outcome). With fewer than ``n`` ranks
   the test is skipped with "run with mpirun -n n". A test without the marker is a single-process
-  test: it runs on one rank only, with a one-rank world, so ``python -m pytest`` and ``mpirun -n 4
+  test: it runs on rank 0 only, with a one-rank world, so ``python -m pytest`` and ``mpirun -n 4
   python -m pytest`` both run it exactly once.
-* **Single-process tests side by side.** Most of a suite's time is single-process tests that start
-  programs of their own (``tinytrain train``, a notebook, a nested ``mpirun``) and wait for them, so
-  they are dealt out to ``TINYTRAIN_TEST_RUNNERS`` ranks (default: as many as there are cores, at
-  most one per rank), in turn, and run at the same time: each runner sends its reports to rank 0,
-  which prints them as they come. Tests that share a fixture wider than one test (a module's
-  ``scope="module"`` fixture) go to the same rank, so it is made once. A test marked
-  ``@pytest.mark.alone`` (one that measures time) runs with no other test beside it. A multi-rank
-  test first waits until every rank has finished the single-process tests before it. With ``-x``
-  (``--maxfail``), ``--pdb`` or a grader run (``--grader-log``), or with
-  ``TINYTRAIN_TEST_RUNNERS=1``, they run one after another on rank 0, as the output then needs.
 * **Failures travel fast.** When a test fails on one rank, that rank posts a failure notice (see
   ``tinytrain/distributed/watchdog.py``), so ranks blocked in a collective with it raise
   ``PeerFailure`` at once instead of waiting for their deadline.
@@ -64,7 +54,6 @@ from _pytest.runner import runtestprotocol  # noqa: E402
 from .exits import DEADLINE_BANNER, EXIT_DEADLINE, EXIT_ERROR, GRADED_DEADLINE, RAISED_BEFORE_HANG  # noqa: E402
 
 _TAG = 11
-_RESULT_TAG = 12  # a single-process test's reports, from the rank that ran it to rank 0
 _GRACE = 2.0  # seconds an expiring rank waits after printing its stacks, so the others print theirs
 _ctl = None  # the harness's own communicator (a dup of COMM_WORLD)
 _rank, _size = 0, 1
@@ -90,9 +79,7 @@ def pytest_configure(config):
         "markers", "world_size(n, at_least=False): the test needs exactly n MPI ranks (at least n: all of them)"
     )
     config.addinivalue_line("markers", "deadline(seconds): this test may take longer than TINYTRAIN_TEST_TIMEOUT")
-    config.addinivalue_line("markers", "alone: a single-process test that runs with no other test beside it")
     test_deadline()  # a bad TINYTRAIN_TEST_TIMEOUT is a usage error now, not an internal error later
-    _runners_wanted(config)  # and so is a bad TINYTRAIN_TEST_RUNNERS
     if _size > 1 and not config.option.basetemp:
         _temp_root_of_this_rank()
     if _size > 1:
@@ -233,10 +220,9 @@ def pytest_collection_finish(session):
     ids = "\n".join(item.nodeid for item in session.items)
     reporter = session.config.pluginmanager.getplugin("terminalreporter")
     errors = [getattr(r, "longreprtext", str(r))[-1500:] for r in (reporter.stats.get("error", []) if reporter else [])]
-    mine = (len(session.items), zlib.crc32(ids.encode()), errors, _runners_wanted(session.config))
+    mine = (len(session.items), zlib.crc32(ids.encode()), errors)
     everyone = _gather_to_all(mine, "the other ranks to collect the tests", test_deadline())
-    if len({(n, crc) for n, crc, _, _ in everyone}) == 1:
-        _deal_out(session.items, runners=everyone[0][3])  # rank 0's count: every rank deals alike
+    if len({(n, crc) for n, crc, _ in everyone}) == 1:
         return
     # Every rank sees the mismatch: gather the ids too, so the message can name the first difference
     # (same counts, different ids: a test parametrized with values drawn differently on each rank).
@@ -244,7 +230,7 @@ def pytest_collection_finish(session):
     if _rank == 0:
         lines = [
             f"rank {r}: {n} tests" + (f", collection error:\n{e[0]}" if e else _first_difference(all_ids[0], theirs))
-            for r, ((n, _, e, _), theirs) in enumerate(zip(everyone, all_ids))
+            for r, ((n, _, e), theirs) in enumerate(zip(everyone, all_ids))
         ]
         fatal(
             "the ranks collected different tests (an import that fails on some ranks only, or test ids "
@@ -302,12 +288,9 @@ def _needed_ranks(item) -> int | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    runner = _plan.get(item.nodeid)
+    _watchdog.arm(item)
     try:
-        if runner is None:  # a test of several ranks, or one alone: the tests dealt out before it end first
-            _settle()
-        _watchdog.arm(item)
-        return _protocol(item, nextitem) if runner is None else _beside(item, nextitem, runner)
+        return _protocol(item, nextitem)
     except Exception as exc:  # noqa: BLE001 - the harness itself failed: end the job, saying why
         fatal(f"{item.nodeid}: the harness raised {type(exc).__name__}: {exc}", item.config)
     finally:
@@ -354,154 +337,6 @@ def _log(item, reports) -> None:
     for rep in reports:
         item.ihook.pytest_runtest_logreport(report=rep)
     item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-
-
-# --- single-process tests side by side -------------------------------------------------------------
-
-_plan: dict[str, int] = {}  # nodeid -> the rank that runs this single-process test (absent: see _protocol)
-_settle_limit = 0.0  # seconds a rank may wait for the others to finish the tests dealt out (their deadlines)
-_unsettled = False  # tests were dealt out since the last _settle (the same on every rank)
-_waiting: dict = {}  # rank 0: nodeid -> item another rank runs, whose reports have not been printed yet
-_arrived: dict = {}  # rank 0: nodeid -> the serialized reports of a test rank 0 has not reached yet
-_result_sends: list = []  # this rank's reports on their way to rank 0
-
-
-def _runners_wanted(config) -> int:
-    """How many ranks run single-process tests at once (see the module docstring)."""
-    setting = os.environ.get("TINYTRAIN_TEST_RUNNERS", "").strip()
-    if setting and not (setting.isdigit() and int(setting) > 0):
-        raise pytest.UsageError(
-            f"TINYTRAIN_TEST_RUNNERS={setting!r} is not a setting it takes: how many ranks run single-process "
-            "tests at once, a positive whole number (1: one after another), or leave it unset"
-        )
-    one_by_one = config.option.maxfail or getattr(config.option, "usepdb", False) or _grader_log(config)
-    if one_by_one:  # a stop at the first failure, a debugger, a grader's log of which test runs now
-        return 1
-    from tinytrain.launcher import usable_cores
-
-    return max(1, min(int(setting) if setting else usable_cores(), _size))
-
-
-def _grader_log(config) -> bool:
-    try:
-        return bool(config.getoption("--grader-log"))
-    except ValueError:  # the grader's plugin is not loaded
-        return False
-
-
-def _wide_fixtures(item) -> list:
-    """The fixtures this test shares with others (wider than one test), defined by the tests themselves
-    (a plugin's, such as ``tmp_path_factory``, costs nothing to make twice)."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return []
-    return [
-        fixture
-        for name in info.names_closure
-        for fixture in info.name2fixturedefs.get(name, ())
-        if fixture.scope != "function" and fixture.baseid
-    ]
-
-
-def _deal_out(items, runners: int) -> None:
-    """Every rank alike: which rank runs each single-process test (ranks 0..runners-1 in turn, a test
-    that shares a fixture with an earlier one on that one's rank); a test of several ranks or one
-    marked ``alone`` is left out, and runs as ``_protocol`` says."""
-    global _settle_limit
-    _plan.clear()
-    if runners < 2:
-        return
-    owner, turn, outstanding = {}, 0, 0.0
-    for item in items:
-        try:
-            shared = _needed_ranks(item) is None and item.get_closest_marker("alone") is None
-        except pytest.UsageError:  # a bad world_size marker: reported when the test runs
-            shared = False
-        if not shared:
-            outstanding = 0.0
-            continue
-        wide = _wide_fixtures(item)
-        rank = next((owner[id(f)] for f in wide if id(f) in owner), None)
-        if rank is None:
-            rank, turn = turn % runners, turn + 1
-        for fixture in wide:
-            owner.setdefault(id(fixture), rank)
-        _plan[item.nodeid] = rank
-        outstanding += test_deadline(item)
-        _settle_limit = max(_settle_limit, outstanding + 60.0)
-
-
-def _beside(item, nextitem, runner: int) -> bool:
-    """A single-process test dealt out to rank ``runner``: that rank runs it (rank 0 prints its reports
-    when they come); every other rank goes on to its next test at once."""
-    global _unsettled
-    from tinytrain.distributed import group as dist_group
-
-    from . import seeds
-
-    _unsettled = True
-    seeds.reset()
-    if _rank == runner:
-        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        dist_group._install_world(_mpi().COMM_SELF.Dup(), dup=False)
-        reports = runtestprotocol(item, nextitem=nextitem, log=False)
-        dist_group._uninstall_world(free=all(not r.failed for r in reports))
-        if _rank != 0:
-            config = item.config
-            data = [config.hook.pytest_report_to_serializable(config=config, report=r) for r in reports]
-            _result_sends.append(_ctl.isend((item.nodeid, data), dest=0, tag=_RESULT_TAG))
-        _log(item, reports)
-    else:
-        item.add_marker(pytest.mark.skip(reason=f"rank {_rank} sits out (rank {runner} runs this test)"))
-        reports = runtestprotocol(item, nextitem=nextitem, log=False)
-        if _rank == 0:
-            _waiting[item.nodeid] = item  # printed when rank `runner`'s reports come
-        else:
-            item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-            _log(item, reports)
-    if _rank == 0:
-        _print_arrived()
-    return True
-
-
-def _print_arrived() -> bool:
-    """Rank 0: print the reports that have come of the tests other ranks ran; True when none is due."""
-    while (message := _ctl.improbe(source=_mpi().ANY_SOURCE, tag=_RESULT_TAG)) is not None:
-        nodeid, data = message.recv()
-        _arrived[nodeid] = data
-    for nodeid in [n for n in _waiting if n in _arrived]:
-        item, data = _waiting.pop(nodeid), _arrived.pop(nodeid)
-        config = item.config
-        reports = [config.hook.pytest_report_from_serializable(config=config, data=d) for d in data]
-        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        _log(item, reports)
-    return not _waiting
-
-
-def _settle() -> None:
-    """Every rank: wait (asleep) until every rank has finished the tests dealt out so far, and rank 0
-    has printed their reports. Each runner's watchdog bounds each of its tests meanwhile."""
-    global _unsettled
-    if not _unsettled:
-        return
-    _unsettled = False
-    if _rank == 0:
-        _poll(_print_arrived, "the reports of the single-process tests other ranks ran", _settle_limit)
-    _poll(lambda: all(r.Test() for r in _result_sends), "rank 0 to take this rank's test reports", _settle_limit)
-    _result_sends.clear()
-    barrier = _ctl.Ibarrier()
-    _poll(barrier.Test, "the other ranks to finish their single-process tests", _settle_limit)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtestloop(session):
-    """After the last test: the dealt-out tests are done everywhere, and every rank counts the
-    failures rank 0 printed (so every rank's exit status is the same)."""
-    outcome = yield
-    if _size == 1 or outcome.excinfo is not None or not _plan:
-        return
-    _settle()
-    session.testsfailed = _gather_to_all(session.testsfailed, "the count of failed tests", _settle_limit)[0]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -11,15 +11,9 @@ import pytest
 from grader.run import mpi_environment
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
-# Notebooks that fit a model to times they measure (communication: the link's latency and bandwidth
-# from `bench collectives` and `plan --measure`) run with no other test beside them (grader/mpi_plugin.py)
-MEASURING = {"communication"}
 
 
-@pytest.mark.parametrize(
-    "path",
-    [pytest.param(p, id=p.stem, marks=[pytest.mark.alone] if p.stem in MEASURING else []) for p in NOTEBOOKS],
-)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path, monkeypatch):
     # Under `mpirun -n 4 pytest` this process carries the launcher's variables; a kernel that
     # inherited them would take itself for an MPI rank and die in MPI_Init. Start it clean.

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         if not as_program and not bad_input:
             raise
         if not as_program:
-            if _rank_in_this_world() == 0:
+            if _world()[0] == 0:
                 sys.stderr.write(f"{_name(command)}: error: {exc}\n")
             raise SystemExit(EXIT_BAD_INPUT) from exc
         fail(command, exc, debug)
@@ -129,18 +129,6 @@ def _world() -> tuple[int, int]:
     from tinytrain import launcher
 
     return launcher.rank_and_size()
-
-
-def _rank_in_this_world() -> int:
-    """This process's rank in tinytrain.distributed's world while it is usable (a test harness gives
-    a single-process test a world of one, on whichever rank of its own job runs it), else the job's."""
-    dist = sys.modules.get("tinytrain.distributed")
-    if dist is not None and dist.is_initialized():
-        try:
-            return dist.get_rank()
-        except dist.DistributedError:  # the world is unusable after the error
-            pass
-    return _world()[0]
 
 
 def fail(command: str | None, exc: BaseException, debug: bool) -> None:

@@ -11,8 +11,6 @@ import pytest
 from tinytrain import backend
 from tinytrain.bench import step as bench
 
-pytestmark = pytest.mark.alone  # the bench checks that the cores are idle between its timed steps
-
 FAKES = '''
 import threading
 import time

@@ -30,11 +30,6 @@ from tinytrain import elastic
 from tinytrain.trainer.args import add_arguments
 
 HERE = Path(__file__).parent
-# The agent names the rank that died from which of its ranks' processes ended first: tests run beside
-# it (grader/mpi_plugin.py) slowed the ranks enough that a survivor's end was seen first (rank 0 named
-# for a killed rank 1, one suite run in two): these runs take the cores alone.
-pytestmark = pytest.mark.alone
-
 TRAIN = "--steps 12 --ckpt-every 5 --batch-size 12 --layers 1 --width 32 --heads 2 --eval-every 12 --quiet".split()
 
 
