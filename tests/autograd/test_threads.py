@@ -187,3 +187,24 @@ def test_bfloat16_casts_give_astypes_bits_for_every_pattern(rng, three_threads, 
         down = to_host(threads.cast(xp.asarray(drawn), bf16))
         expected = drawn.astype(bf16)
     assert (down.view(np.uint16) == expected.view(np.uint16)).all()
+
+
+def test_float16_casts_give_astypes_bits_for_every_pattern(rng, three_threads):
+    """threads.cast's float16 kernels against NumPy's astype: every one of the 65,536 float16s up to
+    float32 (a lookup: NaN payloads and subnormals as NumPy makes them), and down, float32s drawn as
+    bit patterns and over float16's whole range, where pieces hold no tiny entry, a few, or only them."""
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).reshape(256, 256)
+    up = to_host(threads.cast(xp.asarray(every), np.float32))
+    assert up.dtype == np.float32 and (up.view(np.uint32) == every.astype(np.float32).view(np.uint32)).all()
+    # three pieces of 100 rows: drawn as bit patterns and over float16's whole range (a few tiny
+    # entries among them), none tiny, all tiny
+    patterns = rng.integers(0, 1 << 32, 25_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    ranged = (rng.standard_normal(25_000) * np.exp(rng.uniform(-25, 12, 25_000))).astype(np.float32)
+    drawn = np.concatenate([patterns, ranged, np.zeros(100_000, dtype=np.float32)]).reshape(300, 500)
+    drawn[100:200] = rng.standard_normal((100, 500)) + 8.0
+    drawn[200:300] = rng.uniform(-(2.0**-14), 2.0**-14, (100, 500))
+    drawn[99, : _f32_hard_values().size] = _f32_hard_values()
+    with np.errstate(all="ignore"):  # NumPy warns of the NaNs, overflows and underflows it casts
+        down = to_host(threads.cast(xp.asarray(drawn), np.float16))
+        expected = drawn.astype(np.float16)
+    assert down.dtype == np.float16 and (down.view(np.uint16) == expected.view(np.uint16)).all()
