@@ -2,6 +2,7 @@
 the same numbers and gradients as in one piece, every row done once, errors not lost."""
 
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -41,6 +42,24 @@ def test_each_row_is_done_once_and_the_pieces_run_in_threads(three_threads):
 
 
 @pytest.mark.skipif(on_device, reason="on a GPU the kernel runs once, on the calling thread")
+def test_the_callers_floating_point_settings_hold_in_every_piece(three_threads):
+    """numpy.errstate is the caller's: a piece on another thread raises what the caller raises and
+    keeps quiet about what it ignores (only the last of three pieces overflows here)."""
+    a = np.ones((9, 4), dtype=np.float32)
+    a[-1] = 1e30
+
+    def scale(piece, out):
+        np.multiply(piece, np.float32(1e30), out=out)
+
+    out = np.empty_like(a)
+    with np.errstate(over="raise"), pytest.raises(FloatingPointError):
+        threads.in_pieces(scale, a, out)
+    with np.errstate(over="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        threads.in_pieces(scale, a, out)
+    assert np.isinf(out[-1]).all() and (out[:-1] == np.float32(1e30)).all()
+
+
 def test_an_error_in_a_worker_thread_reaches_the_caller(three_threads):
     def kernel(piece):
         if threading.current_thread() is not threading.main_thread():

@@ -76,10 +76,20 @@ def in_pieces(kernel, *arrays, pieces: int | None = None) -> None:
     if _pool[0] is None:
         _pool[0] = ThreadPoolExecutor(THREADS - 1, thread_name_prefix="tinytrain-elementwise")
     bounds = [rows * i // pieces for i in range(pieces + 1)]
-    others = [_pool[0].submit(kernel, *(a[lo:hi] for a in arrays)) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+    # The caller's floating-point error settings (numpy.errstate) hold for every piece: a thread
+    # does not inherit them, and would warn of what the caller ignores, or let pass what it raises.
+    errors = numpy.geterr()
+    others = [
+        _pool[0].submit(_under, errors, kernel, *(a[lo:hi] for a in arrays)) for lo, hi in zip(bounds[1:-1], bounds[2:])
+    ]
     kernel(*(a[: bounds[1]] for a in arrays))  # the first piece on this thread
     for done in others:
         done.result()  # waits; re-raises a kernel's error here
+
+
+def _under(errors: dict, kernel, *pieces) -> None:
+    with numpy.errstate(**errors):
+        kernel(*pieces)
 
 
 def matmul(a, b, bias=None):
