@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tinytrain.functional as F
-from tinytrain.autograd import Tensor, threads
+from tinytrain.autograd import Tensor, ops, threads
 from tinytrain.backend import on_device, to_host, xp
 from tinytrain.testing import assert_close, gradcheck
 
@@ -18,6 +18,7 @@ def three_threads(monkeypatch):
     """Three threads, and pieces however small: the threaded path even on tiny test arrays."""
     monkeypatch.setattr(threads, "THREADS", 3)
     monkeypatch.setattr(threads, "MIN_PIECE", 1)
+    monkeypatch.setattr(ops, "LAYER_NORM_PIECE", 1)
     monkeypatch.setattr(threads, "MIN_CAST_PIECE", 1)
     monkeypatch.setattr(threads, "_pool", [None])
     yield
