@@ -362,10 +362,16 @@ class Agent:
         lost = killed(code) or self.ended_it or named.first is not None
         if lost and (named.first or watcher.first_lost) is not None:
             rank, pid, when = watcher.first_lost or (*named.first, time.time())
+            reported = None if self.ended_it else watcher.pids.get(named.reported_pid)
             if named.first is not None and named.first[0] != rank:
                 # the survivors saw which process was gone (tinytrain's watchdog, by the start line's
                 # pids); the watcher's order can tie when the machine is loaded and its looks come late
                 rank, pid = named.first
+                when = next((t for r, t in watcher.gone.values() if r == rank), when)
+            elif named.first is None and reported is not None and reported != rank:
+                # nobody named it, but the launcher saw which of its processes ended first (when the
+                # agent ended the job itself, that report is of one the agent killed: not used)
+                rank, pid = reported, named.reported_pid
                 when = next((t for r, t in watcher.gone.values() if r == rank), when)
             node = _node_of(rank, layout.world)
             fault.update(when=when, rank=rank, pid=pid)
@@ -426,12 +432,22 @@ class Agent:
 
 class _NamedDeaths:
     """The job's stderr, passed on to ours line by line, and the first rank its survivors name as
-    dead ("tinytrain: rank 1 (pid 9760 on vm) has died"), as (rank, pid)."""
+    dead ("tinytrain: rank 1 (pid 9760 on vm) has died"), as (rank, pid); and the process the
+    launcher itself reports as the first to end badly: hydra's (MPICH, Intel MPI) "BAD TERMINATION
+    ... PID 9760 RUNNING AT vm", Open MPI's "process rank 1 with PID 9760 on node vm exited on
+    signal", as its pid. Why the launcher's too: hydra SIGKILLs the survivors within about 0.1 s,
+    before they can name anyone, and on a loaded machine the agent's watcher may look only after
+    that, finding every rank gone at once."""
 
     PATTERN = re.compile(rb"rank (\d+) \(pid (\d+) on \S+\) has died")
+    LAUNCHER_REPORTS = (
+        re.compile(rb"PID (\d+) RUNNING AT \S+"),
+        re.compile(rb"rank \d+ with PID (\d+) on node \S+ exited"),
+    )
 
     def __init__(self, stream):
         self.first: tuple[int, int] | None = None
+        self.reported_pid: int | None = None  # the launcher's first bad termination
         self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
         self.thread.start()
 
@@ -446,6 +462,10 @@ class _NamedDeaths:
             found = self.PATTERN.search(line)
             if found and self.first is None:
                 self.first = (int(found[1]), int(found[2]))
+            for report in self.LAUNCHER_REPORTS:
+                found = report.search(line)
+                if found and self.reported_pid is None:
+                    self.reported_pid = int(found[1])
 
 
 def _emulated():

@@ -122,6 +122,33 @@ def test_bad_launch_values_are_one_sentence(argv, says, capsys):
     assert re.search(says, err), err
 
 
+@pytest.mark.parametrize(
+    "report",
+    [
+        # MPICH's hydra (Intel MPI's says RANK 1 before the PID)
+        b"=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n=   PID 9760 RUNNING AT vm\n=   EXIT CODE: 9\n",
+        b"=   RANK 1 PID 9760 RUNNING AT vm\n=   KILLED BY SIGNAL: 9 (Killed)\n",
+        # Open MPI
+        b"prterun noticed that process rank 1 with PID 9760 on node vm exited on signal 9 (Killed).\n",
+    ],
+    ids=["hydra", "intel", "openmpi"],
+)
+def test_the_agent_reads_which_process_the_launcher_saw_end_first(report, capsys):
+    """Where hydra kills the survivors before they can name the dead rank, the agent takes the
+    launcher's own report of the first process to end badly (its pid; the watcher maps it to a
+    rank), and still prefers a survivor's naming, which comes first in the stream."""
+    import io
+
+    named = elastic._NamedDeaths(io.BytesIO(b"step 7 loss 2.3\n" + report))
+    named.thread.join(timeout=5)
+    assert named.reported_pid == 9760 and named.first is None
+    survivor = b"tinytrain: rank 2 (pid 9761 on vm) has died\n"
+    named = elastic._NamedDeaths(io.BytesIO(survivor + report))
+    named.thread.join(timeout=5)
+    assert named.first == (2, 9761) and named.reported_pid == 9760
+    assert report.decode() in capsys.readouterr().err  # and passed on to the agent's stderr
+
+
 # --- runs that lose a rank ---------------------------------------------------------------------------
 
 
