@@ -963,10 +963,7 @@ class ScaledDotProductAttention(Function):
     rows lo..hi-1 see keys 0..hi-1 only, so a block needs scores against those keys alone; the
     skipped part above the diagonal is up to half of the T x T scores, their exp and their softmax,
     which dominate a long context. Each block's probabilities are kept for backward (the lower
-    triangle of p, block by block). Without a mask there is one block with every key. Where no
-    score can reach ±``SCORE_BOUND`` (:func:`_scores_bounded`, from the norms of q and k) the
-    softmax skips its shift by the row's max (32 attentions of 256 tokens, in two pieces: 1.7
-    against 2.3-2.7 ms), the same numbers to float32's last bits.
+    triangle of p, block by block). Without a mask there is one block with every key.
 
     The batch axes (B, H, ...) are flattened into one axis of n independent attentions, and each
     core takes its share of them whole (:func:`~tinytrain.autograd.threads.in_pieces`): its
@@ -1021,31 +1018,12 @@ def _attention_forward(q, k, v, out, *probs, blocks, causal):
     """One piece of n attentions (q already scaled): each block's probabilities into ``probs``,
     its output rows into ``out``."""
     k_t = xp.swapaxes(k, -1, -2)
-    unshifted = _scores_bounded(q, k)
     for (lo, hi, keys), p in zip(blocks, probs):
         xp.matmul(q[:, lo:hi], k_t[..., :keys], out=p)  # the block's scores
         if causal:  # the block's diagonal square: query lo + i sees keys up to lo + i
             p[..., lo:hi] += _causal_bias(hi - lo, p.dtype)
-        if unshifted:  # now the probabilities
-            xp.exp(p, out=p)
-            p *= 1 / _row_sums(p)
-        else:
-            _softmax_inplace(p)
+        _softmax_inplace(p)  # now the probabilities
         xp.matmul(p, v[:, :keys], out=out[:, lo:hi])
-
-
-SCORE_BOUND = 60.0  # |score| below which softmax may skip its shift: e^60·keys stays finite, e^-60 normal
-
-
-def _scores_bounded(q, k) -> bool:
-    """True if no score q_i·k_j of these attentions can reach ±SCORE_BOUND, by Cauchy-Schwarz:
-    |q_i·k_j| <= |q_i|·|k_j|. Then softmax needs no shift by the row's max: exp of a score can
-    neither overflow nor flush a whole row to zero, and the max over each row of scores (and its
-    subtraction, two passes over the (T, T) scores of a long context) is skipped. A GPT's scaled
-    scores are a few units; a model whose are not takes the shifted path, with the same result."""
-    q_norms = xp.sqrt(xp.einsum("ntd,ntd->nt", q, q))
-    k_norms = xp.sqrt(xp.einsum("ntd,ntd->nt", k, k))
-    return bool((q_norms.max(axis=-1, initial=0) * k_norms.max(axis=-1, initial=0)).max(initial=0) < SCORE_BOUND)
 
 
 def _attention_backward(g, q, k, v, dq, dk, dv, *probs, blocks, scale):
