@@ -45,6 +45,7 @@ import argparse
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -181,21 +182,34 @@ class RankWatcher:
         return found
 
     def _look(self) -> None:
-        """Rescan /proc for the launch's ranks now and then; look at the known ones often."""
-        last_scan = 0.0
-        while not self.stopped.is_set():
-            now = time.monotonic()
-            # Until every rank is found, rescan every 20 ms: a rank that dies in its first half second (a
-            # fault while it loads the checkpoint) must be known before it vanishes, or a survivor that
-            # ends later would be taken for the lost one.
-            searching = self.world is not None and len(set(self.pids.values())) < self.world
-            if now - last_scan > (0.02 if searching else 0.5) and os.path.isdir("/proc"):
-                self.pids.update((pid, rank) for pid, rank in self._ranks_now().items() if pid not in self.gone)
-                last_scan = now
-            for pid, rank in self.pids.items():
-                if pid not in self.gone and not launcher.alive(pid):
-                    self.gone[pid] = (rank, time.time())
-            self.stopped.wait(self.every)
+        """Rescan /proc for the launch's ranks now and then; look at the known ones often.
+
+        Between looks the thread sleeps in ``poll`` on a pidfd of each rank (Linux), so a rank's
+        end wakes it at once. Why: on a loaded machine a thread that only wakes on a timer may run
+        late, find the lost rank and the survivors that ended after it gone in one look, and take
+        the first it checks for the first to go."""
+        last_scan, waiter, watched = 0.0, _ExitWaiter(), set()
+        try:
+            while not self.stopped.is_set():
+                now = time.monotonic()
+                # Until every rank is found, rescan every 20 ms: a rank that dies in its first half second
+                # (a fault while it loads the checkpoint) must be known before it vanishes, or a survivor
+                # that ends later would be taken for the lost one.
+                searching = self.world is not None and len(set(self.pids.values())) < self.world
+                if now - last_scan > (0.02 if searching else 0.5) and os.path.isdir("/proc"):
+                    self.pids.update((pid, rank) for pid, rank in self._ranks_now().items() if pid not in self.gone)
+                    last_scan = now
+                    for pid in self.pids.keys() - watched:
+                        waiter.watch(pid)
+                        watched.add(pid)
+                seen = time.time()  # one time for one look: ranks found gone in the same look tie
+                for pid, rank in self.pids.items():
+                    if pid not in self.gone and not launcher.alive(pid):
+                        self.gone[pid] = (rank, seen)
+                        waiter.forget(pid)
+                waiter.wait(self.every)
+        finally:
+            waiter.close()
 
     @property
     def first_lost(self) -> tuple[int, int, float] | None:
@@ -207,6 +221,42 @@ class RankWatcher:
 
     def stop(self) -> None:
         self.stopped.set()
+
+
+class _ExitWaiter:
+    """Sleep until one of the watched processes ends or ``timeout`` passes: ``poll`` on their
+    pidfds (Linux 5.3+), else a plain sleep."""
+
+    def __init__(self):
+        self.poller = select.poll() if hasattr(os, "pidfd_open") else None
+        self.fds: dict[int, int] = {}  # pid -> its pidfd, while it runs
+
+    def watch(self, pid: int) -> None:
+        if self.poller is None:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # gone already, or pidfds not allowed here: the looks still find it
+            return
+        self.fds[pid] = fd
+        self.poller.register(fd, select.POLLIN)
+
+    def forget(self, pid: int) -> None:
+        """Stop waiting on ``pid`` (it has ended: its pidfd would wake every wait)."""
+        fd = self.fds.pop(pid, None)
+        if fd is not None:
+            self.poller.unregister(fd)
+            os.close(fd)
+
+    def wait(self, timeout: float) -> None:
+        if self.poller is None or not self.fds:
+            time.sleep(timeout)
+        else:
+            self.poller.poll(timeout * 1000)
+
+    def close(self) -> None:
+        for pid in list(self.fds):
+            self.forget(pid)
 
 
 @dataclass
@@ -353,10 +403,16 @@ class Agent:
         lost = killed(code) or self.ended_it or named.first is not None
         if lost and (named.first or watcher.first_lost) is not None:
             rank, pid, when = watcher.first_lost or (*named.first, time.time())
+            reported = None if self.ended_it else watcher.pids.get(named.reported_pid)
             if named.first is not None and named.first[0] != rank:
                 # the survivors saw which process was gone (tinytrain's watchdog, by the start line's
                 # pids); the watcher's order can tie when the machine is loaded and its looks come late
                 rank, pid = named.first
+                when = next((t for r, t in watcher.gone.values() if r == rank), when)
+            elif named.first is None and reported is not None and reported != rank:
+                # nobody named it, but the launcher saw which of its processes ended first (when the
+                # agent ended the job itself, that report is of one the agent killed: not used)
+                rank, pid = reported, named.reported_pid
                 when = next((t for r, t in watcher.gone.values() if r == rank), when)
             node = _node_of(rank, layout.world)
             fault.update(when=when, rank=rank, pid=pid)
@@ -417,12 +473,22 @@ class Agent:
 
 class _NamedDeaths:
     """The job's stderr, passed on to ours line by line, and the first rank its survivors name as
-    dead ("tinytrain: rank 1 (pid 9760 on vm) has died"), as (rank, pid)."""
+    dead ("tinytrain: rank 1 (pid 9760 on vm) has died"), as (rank, pid); and the process the
+    launcher itself reports as the first to end badly: hydra's (MPICH, Intel MPI) "BAD TERMINATION
+    ... PID 9760 RUNNING AT vm", Open MPI's "process rank 1 with PID 9760 on node vm exited on
+    signal", as its pid. Why the launcher's too: hydra SIGKILLs the survivors within about 0.1 s,
+    before they can name anyone, and on a loaded machine the agent's watcher may look only after
+    that, finding every rank gone at once."""
 
     PATTERN = re.compile(rb"rank (\d+) \(pid (\d+) on \S+\) has died")
+    LAUNCHER_REPORTS = (
+        re.compile(rb"PID (\d+) RUNNING AT \S+"),
+        re.compile(rb"rank \d+ with PID (\d+) on node \S+ exited"),
+    )
 
     def __init__(self, stream):
         self.first: tuple[int, int] | None = None
+        self.reported_pid: int | None = None  # the launcher's first bad termination
         self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
         self.thread.start()
 
@@ -437,6 +503,10 @@ class _NamedDeaths:
             found = self.PATTERN.search(line)
             if found and self.first is None:
                 self.first = (int(found[1]), int(found[2]))
+            for report in self.LAUNCHER_REPORTS:
+                found = report.search(line)
+                if found and self.reported_pid is None:
+                    self.reported_pid = int(found[1])
 
 
 def _emulated():
